@@ -322,9 +322,9 @@ class Trainer:
 
   def _restore(self, example: DeviceBatch, history: History) -> None:
     """Restores the latest checkpoint when it is newer than the state (with a workdir)."""
-    if self._checkpoints is None or self._checkpoints.latest_step() is None:
+    step = None if self._checkpoints is None else self._checkpoints.latest_step()
+    if step is None:
       return
-    step = self._checkpoints.latest_step()
     if self.state is not None and int(self.state.step) >= step:
       return
     template = InFlight(
