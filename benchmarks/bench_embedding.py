@@ -134,7 +134,7 @@ def parts(plan, buffers, repeats):
   slots = variables.slots[stack.name]
   unique = batch.unique_rows[0].reshape(-1)
   owned = jnp.where(unique >= 0, unique, stack.rows_per_shard)
-  entry_rows = jnp.take(owned, batch.entry_slots[0], mode="clip")
+  entry_rows = jnp.take(owned, batch.entry_unique_index[0], mode="clip")
   num_samples = stack.total_batch_size
   grads = jnp.full((num_samples, stack.padded_embedding_dim), 0.01, jnp.float32)
   rows = jnp.take(table, owned, axis=0, mode="clip")
@@ -145,7 +145,7 @@ def parts(plan, buffers, repeats):
       "combine (lookup)": (jax.jit(ops.combine_entries, static_argnums=4),
                            (table, entry_rows, batch.entry_samples[0], batch.entry_gains[0], num_samples)),
       "segment_grads": (jax.jit(ops.segment_grads, static_argnums=4),
-                        (grads, batch.entry_samples[0], batch.entry_slots[0], batch.entry_gains[0],
+                        (grads, batch.entry_samples[0], batch.entry_unique_index[0], batch.entry_gains[0],
                          owned.shape[0])),
       "gather_rows (rows + slots)": (jax.jit(lambda t, s, o: (ops.gather_rows(t, o), {
           k: ops.gather_rows(v, o) for k, v in s.items()})), (table, slots, owned)),
@@ -172,7 +172,7 @@ def parts(plan, buffers, repeats):
 
     def run_fused(i):
       state[0], state[1] = fused_step(state[0], state[1], owned, grads, batch.entry_samples[0],
-                                      batch.entry_slots[0], batch.entry_gains[0])
+                                      batch.entry_unique_index[0], batch.entry_gains[0])
       jax.block_until_ready(state[0])
 
     out["fused update (segment sum + rule + write)"] = (

@@ -61,18 +61,35 @@ def _abstract(tree):
   )
 
 
+# StackBatch field -> its key in a trainer/1 item (the names of when that
+# format was written; the field has been renamed since).
+_LAYOUT_SPECIFIC_KEYS = {
+    "unique_rows": "unique_rows",
+    "entry_samples": "entry_samples",
+    "entry_unique_index": "entry_slots",
+    "entry_gains": "entry_gains",
+}
+
+
 def _in_flight_to_tree(in_flight: InFlight) -> dict[str, Any]:
+  """The trainer/1 in-flight item: the preprocessed buffers of one layout."""
   batch = in_flight.batch
   return {
       "activations": dict(in_flight.activations),
-      "sparse": {name: dict(stack._asdict()) for name, stack in batch.sparse.items()},
+      "sparse": {
+          name: {_LAYOUT_SPECIFIC_KEYS[field]: value for field, value in stack._asdict().items()}
+          for name, stack in batch.sparse.items()
+      },
       "dense": batch.dense,
       "labels": batch.labels,
   }
 
 
 def _in_flight_from_tree(tree: dict[str, Any]) -> InFlight:
-  sparse = {name: StackBatch(**arrays) for name, arrays in tree["sparse"].items()}
+  sparse = {
+      name: StackBatch(**{field: arrays[key] for field, key in _LAYOUT_SPECIFIC_KEYS.items()})
+      for name, arrays in tree["sparse"].items()
+  }
   return InFlight(tree["activations"], DeviceBatch(sparse, tree["dense"], tree["labels"]))
 
 

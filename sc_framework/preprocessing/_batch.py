@@ -17,26 +17,28 @@ feature (output (B, L, D)), whose position l of sample b is its sample
 b * L + l, so device g holds whole sequences (B is divisible by G).
 
 Fields (leading axis G, sharded over the table mesh axis):
-  unique_rows   int32   [G, N, U]  distinct local rows (in [0, R)) of shard n
-                                   requested by device g, ascending; -1 marks an
-                                   unused slot (after the used ones).
-  entry_samples int32   [G, E]     local sample (in [0, B_loc)) of each entry,
-                                   ascending; B_loc marks a padding entry
-                                   (after the real ones).
-  entry_slots   int32   [G, E]     the entry's row as an index n * U + u into
-                                   device g's flattened [N * U] unique rows; 0
-                                   for padding entries.
-  entry_gains   float32 [G, E]     the entry's combiner gain: its summed weight
-                                   w times 1 (sum), 1 / sum w (mean) or
-                                   1 / sqrt(sum w^2) (sqrtn), sums over the
-                                   entry's sample and feature, taken over the
-                                   sample's raw ids before repeated ids merge
-                                   (as TensorFlow's combiners do); 0 for
-                                   padding.
+  unique_rows         int32   [G, N, U]  distinct local rows (in [0, R)) of
+                                         shard n requested by device g,
+                                         ascending; -1 marks unused capacity
+                                         (after the used ones).
+  entry_samples       int32   [G, E]     local sample (in [0, B_loc)) of each
+                                         entry, ascending; B_loc marks a
+                                         padding entry (after the real ones).
+  entry_unique_index  int32   [G, E]     the entry's row as an index n * U + u
+                                         into device g's flattened [N * U]
+                                         unique rows; 0 for padding entries.
+  entry_gains         float32 [G, E]     the entry's combiner gain: its summed
+                                         weight w times 1 (sum), 1 / sum w
+                                         (mean) or 1 / sqrt(sum w^2) (sqrtn),
+                                         sums over the entry's sample and
+                                         feature, taken over the sample's raw
+                                         ids before repeated ids merge (as
+                                         TensorFlow's combiners do); 0 for
+                                         padding.
 
 The activation of local sample b is sum over entries e with sample b of
-gain_e * row(slot_e), where row(n * U + u) is local row unique_rows[g, n, u] of
-shard n.
+gain_e * row(unique_index_e), where row(n * U + u) is local row
+unique_rows[g, n, u] of shard n.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class StackBatch(NamedTuple):
 
   unique_rows: np.ndarray
   entry_samples: np.ndarray
-  entry_slots: np.ndarray
+  entry_unique_index: np.ndarray
   entry_gains: np.ndarray
 
   @property

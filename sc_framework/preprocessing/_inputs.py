@@ -10,7 +10,7 @@ with the padding id (if any) removed and every id checked against the
 table's vocabulary. Accepted forms:
 
   * a dense integer array [B, L] (or [B]: one id per sample), optionally
-    with a padding id marking unused slots; wrap it in `DenseIds` to give
+    with a padding id marking unused places; wrap it in `DenseIds` to give
     weights [B, L];
   * ragged ids: a list (or object array) of B per-sample id arrays, or
     `RaggedRows(rows, weights)`, `RaggedIds(values, row_splits)` or
@@ -471,7 +471,7 @@ def flatten_input(
       bad_id = int(values[bad])
       hint = (
           " Negative ids are only allowed as the padding id: pass padding_id="
-          f"{bad_id} if it marks unused slots."
+          f"{bad_id} if it marks unused places."
           if bad_id < 0
           else " Hash or bucket the ids before preprocessing, or raise the table's"
           " vocabulary_size."

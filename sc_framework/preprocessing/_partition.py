@@ -14,7 +14,7 @@ partition (device g, shard n). Steps, after `_dedup.merge`:
    row = key - b * V_s in shard n = floor(row / R). Per device, the distinct
    rows come ascending from one pass over a [V_s] bitmap when V_s is small
    next to the device's entries, else from a sort; u is a row's rank among
-   the distinct rows of its shard, and the entry's slot is n * U + u (looked
+   the distinct rows of its shard, and the entry's unique index is n * U + u (looked
    up through a [V_s] table, so no per-entry division is needed).
 3. Capacities: a partition may hold C entries and U distinct rows. Overflow
    raises, or with dropping enabled removes, in every partition:
@@ -26,7 +26,7 @@ partition (device g, shard n). Steps, after `_dedup.merge`:
    are recomputed over the kept ids, and rows left without entries are not
    requested. Statistics always describe the batch before dropping. The
    kept entries come from linear passes without a sort (`_drop_mask`) and
-   the kept rows' slots from step 2's result (`_kept_rows`), so dropping
+   the kept rows' unique indices from step 2's result (`_kept_rows`), so dropping
    costs a fraction of the rest of the step.
 4. Write the buffers of `_batch.StackBatch`.
 """
@@ -58,7 +58,7 @@ class _Rows(NamedTuple):
   distinct: list[np.ndarray]  # per device: int64 ascending distinct global rows
   edges: np.ndarray  # int64 [G, N + 1]: shard n's rows are distinct[g][edges[g, n]:edges[g, n + 1]]
   counts: np.ndarray  # int64 [G, N]: entries per partition
-  slots: np.ndarray  # int [n_e]: n * stride + u of every entry (scratch)
+  unique_index: np.ndarray  # int [n_e]: n * stride + u of every entry (scratch)
   stride: int  # U, or the largest distinct count if that is larger
 
 
@@ -88,7 +88,7 @@ def _distinct(rows: np.ndarray, v_s: int) -> tuple[np.ndarray, np.ndarray | None
 
 def _locate_rows(rows: np.ndarray, bounds, v_s: int, r: int, n_count: int,
                  unique_capacity: int) -> _Rows:
-  """Step 2: distinct rows, counts and slots of every device's entries."""
+  """Step 2: distinct rows, counts and unique indices of every device's entries."""
   g_count = len(bounds) - 1
   found = [_distinct(rows[bounds[g]:bounds[g + 1]], v_s) for g in range(g_count)]
   shard_starts = np.arange(n_count + 1, dtype=np.int64) * r
@@ -96,11 +96,11 @@ def _locate_rows(rows: np.ndarray, bounds, v_s: int, r: int, n_count: int,
   unique_counts = np.diff(edges, axis=1)
   stride = max(unique_capacity, int(unique_counts.max(initial=0)))
   dtype = np.int32 if n_count * stride < 2**31 else np.int64
-  slots = scratch("slots", rows.size, dtype)
+  unique_index = scratch("unique_index", rows.size, dtype)
   counts = np.zeros((g_count, n_count), np.int64)
   for g, (distinct, rank) in enumerate(found):
     lo, hi = bounds[g], bounds[g + 1]
-    # slot of the j-th distinct row, in shard n: n * stride + j - edges[g, n].
+    # unique index of the j-th distinct row, in shard n: n * stride + j - edges[g, n].
     values = arange32(distinct.size).astype(dtype, copy=False)
     if n_count > 1:
       shift = np.arange(n_count, dtype=np.int64) * stride - edges[g, :-1]
@@ -108,14 +108,14 @@ def _locate_rows(rows: np.ndarray, bounds, v_s: int, r: int, n_count: int,
     if rank is None:
       index = scratch("index", v_s, dtype)
       index[distinct] = values
-      index.take(rows[lo:hi], mode="clip", out=slots[lo:hi])
+      index.take(rows[lo:hi], mode="clip", out=unique_index[lo:hi])
     else:
-      slots[lo:hi] = values[rank]
+      unique_index[lo:hi] = values[rank]
     if n_count == 1:
       counts[g, 0] = hi - lo
     else:
-      counts[g] = np.bincount(slots[lo:hi] // stride, minlength=n_count)
-  return _Rows([d for d, _ in found], edges, counts, slots, stride)
+      counts[g] = np.bincount(unique_index[lo:hi] // stride, minlength=n_count)
+  return _Rows([d for d, _ in found], edges, counts, unique_index, stride)
 
 
 def _device_bounds(samples: np.ndarray, g_count: int, local_batch: int):
@@ -214,20 +214,20 @@ def _number_rows(located: _Rows, bounds, n_count: int) -> _Numbered:
   num_parts, stride = g_count * n_count, located.stride
   offsets = np.zeros(num_parts + 1, np.int64)
   offsets[1:] = np.cumsum(np.diff(located.edges, axis=1).reshape(-1))
-  size = located.slots.size
+  size = located.unique_index.size
   ids = scratch("drop_ids", size, np.int64)  # numpy indexes faster with int64 than int32
   if num_parts == 1:
-    ids[...] = located.slots
+    ids[...] = located.unique_index
     return _Numbered(ids, None, offsets)
   parts = scratch("drop_parts", size, np.int64)
   for g in range(g_count):
     lo, hi = bounds[g], bounds[g + 1]
-    slots = located.slots[lo:hi]
-    # slot n * stride + u -> offsets[g * N + n] + u.
-    shard = np.floor_divide(slots, stride, out=parts[lo:hi])
+    unique_index = located.unique_index[lo:hi]
+    # unique index n * stride + u -> offsets[g * N + n] + u.
+    shard = np.floor_divide(unique_index, stride, out=parts[lo:hi])
     shift = offsets[g * n_count:(g + 1) * n_count] - np.arange(n_count) * stride
     np.take(shift, shard, mode="clip", out=ids[lo:hi])
-    ids[lo:hi] += slots
+    ids[lo:hi] += unique_index
     shard += g * n_count
   return _Numbered(ids, parts, offsets)
 
@@ -272,7 +272,7 @@ def _kept_rows(located: _Rows, rows: _Numbered, keep: np.ndarray, n_count: int,
   """Step 2 for the entries kept by `keep`, from `located` (before dropping).
 
   A row stays when any of its entries does; its new rank u' counts the rows
-  that stay before it in its partition, so a kept entry's slot becomes
+  that stay before it in its partition, so a kept entry's unique index becomes
   n * U + u' (after dropping, no partition holds more than U rows).
   """
   g_count = located.edges.shape[0]
@@ -283,17 +283,19 @@ def _kept_rows(located: _Rows, rows: _Numbered, keep: np.ndarray, n_count: int,
   alive.fill(False)
   alive[kept] = True
   # seen[j]: staying rows among rows 0 ... j - 1; row j of partition p has
-  # u' = seen[j] - seen[offsets[p]] and its slot n * U + u'.
+  # u' = seen[j] - seen[offsets[p]] and its unique index n * U + u'.
   dtype = np.int32 if max(n_count * unique_capacity, num_rows) < 2**31 else np.int64
-  seen = scratch("drop_slot_of", num_rows + 1, dtype)
+  seen = scratch("drop_unique_of", num_rows + 1, dtype)
   seen[0] = 0
   np.cumsum(alive, dtype=dtype, out=seen[1:])
   before = seen[offsets[:-1]].astype(np.int64)
   unique_counts = (seen[offsets[1:]] - before).reshape(g_count, n_count)
   shift = np.arange(num_parts, dtype=np.int64) % n_count * unique_capacity - before
-  slot_of = seen[:-1]
-  slot_of += shift[0] if num_parts == 1 else np.repeat(shift.astype(dtype), np.diff(offsets))
-  slots = np.take(slot_of, kept, mode="clip", out=scratch("drop_slots", kept.size, dtype))
+  unique_of = seen[:-1]
+  unique_of += shift[0] if num_parts == 1 else np.repeat(shift.astype(dtype), np.diff(offsets))
+  unique_index = np.take(
+      unique_of, kept, mode="clip", out=scratch("drop_unique_index", kept.size, dtype)
+  )
   distinct = [
       located.distinct[g][alive[offsets[g * n_count]:offsets[(g + 1) * n_count]]]
       for g in range(g_count)
@@ -304,7 +306,7 @@ def _kept_rows(located: _Rows, rows: _Numbered, keep: np.ndarray, n_count: int,
     counts = np.full((1, 1), kept.size, np.int64)
   else:
     counts = np.bincount(rows.parts[keep], minlength=num_parts).reshape(g_count, n_count)
-  return _Rows(distinct, edges, counts, slots, unique_capacity)
+  return _Rows(distinct, edges, counts, unique_index, unique_capacity)
 
 
 def _overflow_error(stack: StackLayout, counts, unique_counts,
@@ -477,7 +479,7 @@ def _write_buffers(stack: StackLayout, capacity: StackCapacity, local_batch: int
   buffer = np.empty(size + 3 * entries, np.int32)
   unique_rows = buffer[:size].reshape(g_count, n_count, u_cap)
   entry_samples = buffer[size : size + entries].reshape(g_count, e_cap)
-  entry_slots = buffer[size + entries : size + 2 * entries].reshape(g_count, e_cap)
+  entry_unique_index = buffer[size + entries : size + 2 * entries].reshape(g_count, e_cap)
   entry_gains = buffer[size + 2 * entries :].view(np.float32).reshape(g_count, e_cap)
   for g in range(g_count):
     distinct, edges = located.distinct[g], located.edges[g]
@@ -490,8 +492,8 @@ def _write_buffers(stack: StackLayout, capacity: StackCapacity, local_batch: int
     count = hi - lo
     np.subtract(samples[lo:hi], g * local_batch, out=entry_samples[g, :count], casting="unsafe")
     entry_samples[g, count:] = local_batch
-    entry_slots[g, :count] = located.slots[lo:hi]
-    entry_slots[g, count:] = 0
+    entry_unique_index[g, :count] = located.unique_index[lo:hi]
+    entry_unique_index[g, count:] = 0
     gains = entry_gains[g, :count]
     if factor is not None:
       np.take(factor, samples[lo:hi], out=gains)
@@ -502,4 +504,4 @@ def _write_buffers(stack: StackLayout, capacity: StackCapacity, local_batch: int
     else:
       gains.fill(1.0)
     entry_gains[g, count:] = 0.0
-  return StackBatch(unique_rows, entry_samples, entry_slots, entry_gains)
+  return StackBatch(unique_rows, entry_samples, entry_unique_index, entry_gains)

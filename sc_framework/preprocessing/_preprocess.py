@@ -7,7 +7,7 @@ owning shard (`_partition`). The output shapes depend only on the layout and
 the capacities (C, U) (`_stats.stack_capacities`), never on the batch's
 content, so a jitted step that consumes them compiles once:
 
-  unique_rows [G, N, U], entry_samples / entry_slots / entry_gains [G, N * C].
+  unique_rows [G, N, U], entry_samples / entry_unique_index / entry_gains [G, N * C].
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@
 //   CombineEntries(source [M, D], rows [E], samples [E], gains [E]) -> out [B, D]
 //       out[b] = sum over e with samples[e] = b of gains[e] * source[rows[e]];
 //       samples ascending; entries with samples[e] outside [0, B) are skipped.
-//   SegmentGrads(grads [B, D], samples [E], slots [E], gains [E]) -> out [K, D]
-//       out[k] = sum over e with slots[e] = k of gains[e] * grads[samples[e]];
+//   SegmentGrads(grads [B, D], samples [E], unique_index [E], gains [E]) -> out [K, D]
+//       out[k] = sum over e with unique_index[e] = k of gains[e] * grads[samples[e]];
 //       entries whose sample is outside [0, B) are skipped.
 //
 // Each kernel splits its outputs over threads so no two threads write the
@@ -235,18 +235,18 @@ ffi::Error CheckAccumulator(const char* kernel, ffi::Span<const int64_t> accumul
   return CheckCount(kernel, "the output accumulator", out, rows, "one per table row, [R, 1]");
 }
 
-// Batch entries: grads [B, D] and samples, slots, gains with E elements each.
+// Batch entries: grads [B, D] and samples, unique_index, gains with E elements each.
 ffi::Error CheckEntries(const char* kernel, ffi::Span<const int64_t> grads, int64_t dim,
-                        ffi::Span<const int64_t> samples, ffi::Span<const int64_t> slots,
+                        ffi::Span<const int64_t> samples, ffi::Span<const int64_t> unique_index,
                         ffi::Span<const int64_t> gains) {
   SC_RETURN_IF_ERROR(CheckRank(kernel, "grads", grads, 2));
   SC_RETURN_IF_ERROR(
       CheckDims(kernel, "grads", grads, {grads[0], dim}, "[B, D] with the table's width D"));
   int64_t entries = 1;
-  for (int64_t d : slots) entries *= d;
+  for (int64_t d : unique_index) entries *= d;
   SC_RETURN_IF_ERROR(
-      CheckCount(kernel, "samples", samples, entries, "one per entry, as many as slots"));
-  return CheckCount(kernel, "gains", gains, entries, "one per entry, as many as slots");
+      CheckCount(kernel, "samples", samples, entries, "one per entry, as many as unique_index"));
+  return CheckCount(kernel, "gains", gains, entries, "one per entry, as many as unique_index");
 }
 
 inline void Axpy(float* out, const float* x, float a, int64_t dim) {
@@ -344,35 +344,37 @@ ffi::Error CombineEntriesImpl(ffi::Buffer<ffi::F32> source, ffi::Buffer<ffi::S32
   return ffi::Error::Success();
 }
 
-// The entries of a batch grouped by slot (a counting sort): the entries of
-// slot k are order[begin_of[k] .. begin_of[k + 1]). Entries whose slot is
-// outside [0, slots) or whose sample is outside [0, samples) are left out.
-struct EntriesBySlot {
+// The entries of a batch grouped by unique row (a counting sort): the entries of
+// unique row k are order[begin_of[k] .. begin_of[k + 1]). Entries whose unique index is
+// outside [0, unique_count) or whose sample is outside [0, samples) are left out.
+struct EntriesByUniqueRow {
   std::vector<int64_t> begin_of;
   std::vector<int32_t> order;
 };
 
-EntriesBySlot GroupBySlot(const int32_t* sample_of, const int32_t* slot_of, int64_t entries,
-                          int64_t samples, int64_t slots) {
-  EntriesBySlot groups{std::vector<int64_t>(slots + 1, 0), {}};
+EntriesByUniqueRow GroupByUniqueRow(const int32_t* sample_of, const int32_t* unique_of,
+                                    int64_t entries, int64_t samples, int64_t unique_count) {
+  EntriesByUniqueRow groups{std::vector<int64_t>(unique_count + 1, 0), {}};
   auto valid = [&](int64_t e) {
-    return slot_of[e] >= 0 && slot_of[e] < slots && sample_of[e] >= 0 && sample_of[e] < samples;
+    return unique_of[e] >= 0 && unique_of[e] < unique_count && sample_of[e] >= 0 &&
+           sample_of[e] < samples;
   };
   for (int64_t e = 0; e < entries; ++e) {
-    if (valid(e)) ++groups.begin_of[slot_of[e] + 1];
+    if (valid(e)) ++groups.begin_of[unique_of[e] + 1];
   }
-  for (int64_t k = 0; k < slots; ++k) groups.begin_of[k + 1] += groups.begin_of[k];
-  groups.order.resize(groups.begin_of[slots]);
+  for (int64_t k = 0; k < unique_count; ++k) groups.begin_of[k + 1] += groups.begin_of[k];
+  groups.order.resize(groups.begin_of[unique_count]);
   std::vector<int64_t> next(groups.begin_of.begin(), groups.begin_of.end() - 1);
   for (int64_t e = 0; e < entries; ++e) {
-    if (valid(e)) groups.order[next[slot_of[e]]++] = static_cast<int32_t>(e);
+    if (valid(e)) groups.order[next[unique_of[e]]++] = static_cast<int32_t>(e);
   }
   return groups;
 }
 
-// row = sum over the entries of slot k of gain[e] * grad[sample[e]].
-inline void SlotGradient(const EntriesBySlot& groups, int64_t k, const float* grad,
-                         const int32_t* sample_of, const float* gain, int64_t dim, float* row) {
+// row = sum over the entries of unique row k of gain[e] * grad[sample[e]].
+inline void UniqueRowGradient(const EntriesByUniqueRow& groups, int64_t k, const float* grad,
+                              const int32_t* sample_of, const float* gain, int64_t dim,
+                              float* row) {
   std::memset(row, 0, dim * sizeof(float));
   const int64_t stop = groups.begin_of[k + 1];
   for (int64_t i = groups.begin_of[k]; i < stop; ++i) {
@@ -385,12 +387,12 @@ inline void SlotGradient(const EntriesBySlot& groups, int64_t k, const float* gr
 }
 
 ffi::Error SegmentGradsImpl(ffi::Buffer<ffi::F32> grads, ffi::Buffer<ffi::S32> entry_samples,
-                            ffi::Buffer<ffi::S32> entry_slots, ffi::Buffer<ffi::F32> gains,
+                            ffi::Buffer<ffi::S32> entry_unique_index, ffi::Buffer<ffi::F32> gains,
                             ffi::ResultBuffer<ffi::F32> out) {
   constexpr char kKernel[] = "sc_framework_segment_grads";
   SC_RETURN_IF_ERROR(CheckRank(kKernel, "grads", grads.dimensions(), 2));
   SC_RETURN_IF_ERROR(CheckEntries(kKernel, grads.dimensions(), grads.dimensions()[1],
-                                  entry_samples.dimensions(), entry_slots.dimensions(),
+                                  entry_samples.dimensions(), entry_unique_index.dimensions(),
                                   gains.dimensions()));
   SC_RETURN_IF_ERROR(CheckRank(kKernel, "the output", out->dimensions(), 2));
   SC_RETURN_IF_ERROR(CheckDims(kKernel, "the output", out->dimensions(),
@@ -398,15 +400,15 @@ ffi::Error SegmentGradsImpl(ffi::Buffer<ffi::F32> grads, ffi::Buffer<ffi::S32> e
                                "[K, D] with the gradients' width D"));
   const int64_t samples = grads.dimensions()[0];
   const int64_t dim = grads.dimensions()[1];
-  const int64_t slots = out->dimensions()[0];
-  const int64_t entries = entry_slots.element_count();
-  const EntriesBySlot groups = GroupBySlot(entry_samples.typed_data(), entry_slots.typed_data(),
-                                           entries, samples, slots);
+  const int64_t unique_count = out->dimensions()[0];
+  const int64_t entries = entry_unique_index.element_count();
+  const EntriesByUniqueRow groups = GroupByUniqueRow(
+      entry_samples.typed_data(), entry_unique_index.typed_data(), entries, samples, unique_count);
   float* target = out->typed_data();
-  ParallelFor(slots, NumThreads(entries * dim), [&](int64_t begin, int64_t end) {
+  ParallelFor(unique_count, NumThreads(entries * dim), [&](int64_t begin, int64_t end) {
     for (int64_t k = begin; k < end; ++k) {
-      SlotGradient(groups, k, grads.typed_data(), entry_samples.typed_data(), gains.typed_data(),
-                   dim, target + k * dim);
+      UniqueRowGradient(groups, k, grads.typed_data(), entry_samples.typed_data(),
+                        gains.typed_data(), dim, target + k * dim);
     }
   });
   return ffi::Error::Success();
@@ -495,7 +497,7 @@ inline void RowwiseAdagradRow(float* w, float* accumulator, const float* g, int6
 }
 
 // The fused updates read each touched row's gradient either from a [K, D]
-// buffer (RowGrads) or by summing the batch entries of its slot on the fly
+// buffer (RowGrads) or by summing the batch entries of its unique row on the fly
 // (EntryGrads: no [K, D] buffer at all; single-device case).
 struct RowGrads {
   const float* grads;
@@ -504,13 +506,13 @@ struct RowGrads {
 };
 
 struct EntryGrads {
-  const EntriesBySlot* groups;
+  const EntriesByUniqueRow* groups;
   const float* grad;
   const int32_t* sample_of;
   const float* gain;
   int64_t dim;
   const float* Get(int64_t k, float* scratch) const {
-    SlotGradient(*groups, k, grad, sample_of, gain, dim, scratch);
+    UniqueRowGradient(*groups, k, grad, sample_of, gain, dim, scratch);
     return scratch;
   }
 };
@@ -562,16 +564,16 @@ void CopyIfNotAliased(float* out, const float* in, int64_t count) {
 // gradient; write in place), instead of gather -> elementwise rule ->
 // scatter. Rows outside [0, R) are skipped. The *Rows kernels take the
 // per-row gradients [K, D]; the *Entries kernels take the batch entries
-// (grads [B, D], samples, slots, gains) and sum each row's gradient on the
+// (grads [B, D], samples, unique_index, gains) and sum each row's gradient on the
 // fly. dims [K] are the rows' logical dimensions; `options` is RowOptions.
 //   SgdStepRows(table, index [K], grads [K, D], dims [K], hyper {lr, options})
 //       -> table
-//   SgdStepEntries(table, index [K], grads [B, D], samples [E], slots [E],
+//   SgdStepEntries(table, index [K], grads [B, D], samples [E], unique_index [E],
 //                  gains [E], dims [K], hyper {lr, options}) -> table
 //   RowwiseAdagradStepRows(table, accumulator [R, 1], index, grads [K, D],
 //                          dims [K], hyper {lr, eps, options}) -> (table, accumulator)
 //   RowwiseAdagradStepEntries(table, accumulator, index, grads [B, D], samples,
-//                             slots, gains, dims, hyper) -> (table, accumulator)
+//                             unique_index, gains, dims, hyper) -> (table, accumulator)
 
 // hyper holds the rule's `rule_count` values, then RowOptions::kCount options.
 ffi::Error CheckHyper(const char* kernel, ffi::Buffer<ffi::F32> hyper, int64_t rule_count,
@@ -599,7 +601,7 @@ ffi::Error SgdStepRowsImpl(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> in
 
 ffi::Error SgdStepEntriesImpl(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> index,
                               ffi::Buffer<ffi::F32> grads, ffi::Buffer<ffi::S32> entry_samples,
-                              ffi::Buffer<ffi::S32> entry_slots, ffi::Buffer<ffi::F32> gains,
+                              ffi::Buffer<ffi::S32> entry_unique_index, ffi::Buffer<ffi::F32> gains,
                               ffi::Buffer<ffi::S32> dims, ffi::Buffer<ffi::F32> hyper,
                               ffi::ResultBuffer<ffi::F32> out) {
   constexpr char kKernel[] = "sc_framework_sgd_step_entries";
@@ -607,13 +609,13 @@ ffi::Error SgdStepEntriesImpl(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32>
   const int64_t rows = table.dimensions()[0], dim = table.dimensions()[1];
   const int64_t count = index.element_count();
   SC_RETURN_IF_ERROR(CheckEntries(kKernel, grads.dimensions(), dim, entry_samples.dimensions(),
-                                  entry_slots.dimensions(), gains.dimensions()));
+                                  entry_unique_index.dimensions(), gains.dimensions()));
   SC_RETURN_IF_ERROR(CheckCount(kKernel, "dims", dims.dimensions(), count, "one per index"));
   SC_RETURN_IF_ERROR(CheckHyper(kKernel, hyper, 1, "{learning rate, row options}"));
   CopyIfNotAliased(out->typed_data(), table.typed_data(), rows * dim);
-  const EntriesBySlot groups =
-      GroupBySlot(entry_samples.typed_data(), entry_slots.typed_data(),
-                  entry_slots.element_count(), grads.dimensions()[0], count);
+  const EntriesByUniqueRow groups =
+      GroupByUniqueRow(entry_samples.typed_data(), entry_unique_index.typed_data(),
+                       entry_unique_index.element_count(), grads.dimensions()[0], count);
   SgdUpdate(out->typed_data(), rows, dim, index.typed_data(), count,
             EntryGrads{&groups, grads.typed_data(), entry_samples.typed_data(),
                        gains.typed_data(), dim},
@@ -646,8 +648,8 @@ ffi::Error RowwiseAdagradStepRowsImpl(
 ffi::Error RowwiseAdagradStepEntriesImpl(
     ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::F32> accumulator, ffi::Buffer<ffi::S32> index,
     ffi::Buffer<ffi::F32> grads, ffi::Buffer<ffi::S32> entry_samples,
-    ffi::Buffer<ffi::S32> entry_slots, ffi::Buffer<ffi::F32> gains, ffi::Buffer<ffi::S32> dims,
-    ffi::Buffer<ffi::F32> hyper, ffi::ResultBuffer<ffi::F32> table_out,
+    ffi::Buffer<ffi::S32> entry_unique_index, ffi::Buffer<ffi::F32> gains,
+    ffi::Buffer<ffi::S32> dims, ffi::Buffer<ffi::F32> hyper, ffi::ResultBuffer<ffi::F32> table_out,
     ffi::ResultBuffer<ffi::F32> accumulator_out) {
   constexpr char kKernel[] = "sc_framework_rowwise_adagrad_step_entries";
   SC_RETURN_IF_ERROR(CheckTableAndOut(kKernel, table.dimensions(), table_out->dimensions()));
@@ -656,14 +658,14 @@ ffi::Error RowwiseAdagradStepEntriesImpl(
   SC_RETURN_IF_ERROR(CheckAccumulator(kKernel, accumulator.dimensions(),
                                       accumulator_out->dimensions(), rows));
   SC_RETURN_IF_ERROR(CheckEntries(kKernel, grads.dimensions(), dim, entry_samples.dimensions(),
-                                  entry_slots.dimensions(), gains.dimensions()));
+                                  entry_unique_index.dimensions(), gains.dimensions()));
   SC_RETURN_IF_ERROR(CheckCount(kKernel, "dims", dims.dimensions(), count, "one per index"));
   SC_RETURN_IF_ERROR(CheckHyper(kKernel, hyper, 2, "{learning rate, eps, row options}"));
   CopyIfNotAliased(table_out->typed_data(), table.typed_data(), rows * dim);
   CopyIfNotAliased(accumulator_out->typed_data(), accumulator.typed_data(), rows);
-  const EntriesBySlot groups =
-      GroupBySlot(entry_samples.typed_data(), entry_slots.typed_data(),
-                  entry_slots.element_count(), grads.dimensions()[0], count);
+  const EntriesByUniqueRow groups =
+      GroupByUniqueRow(entry_samples.typed_data(), entry_unique_index.typed_data(),
+                       entry_unique_index.element_count(), grads.dimensions()[0], count);
   RowwiseAdagradUpdate(table_out->typed_data(), accumulator_out->typed_data(), rows, dim,
                        index.typed_data(), count,
                        EntryGrads{&groups, grads.typed_data(), entry_samples.typed_data(),

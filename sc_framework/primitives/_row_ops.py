@@ -12,8 +12,8 @@ row-major float arrays:
   combine_entries(source [M, D], rows [E], samples [E], gains [E], B)
       -> [B, D], out[b] = sum_{e: samples[e] = b} gains[e] * source[rows[e]]
          (samples ascending; outside [0, B) skipped; outside rows read zeros)
-  segment_grads(grads [B, D], samples [E], slots [E], gains [E], K)
-      -> [K, D], out[k] = sum_{e: slots[e] = k} gains[e] * grads[samples[e]]
+  segment_grads(grads [B, D], samples [E], unique_index [E], gains [E], K)
+      -> [K, D], out[k] = sum_{e: unique_index[e] = k} gains[e] * grads[samples[e]]
          (samples outside [0, B) skipped)
 
 `XLA_OPS` expresses them with jnp gathers, scatters and segment sums and runs
@@ -47,7 +47,7 @@ class RowOps:
   (`optimizer.apply`, its shared options included: an implementation that
   does not cover an option must return None when it is set) to the rows in
   place in one pass, with the rows' gradients given either as row_grads
-  [K, D] or as the batch entries (grads [B, D], samples [E], slots [E],
+  [K, D] or as the batch entries (grads [B, D], samples [E], unique_index [E],
   gains [E]) summed per row on the fly (segment_grads' inputs).
   """
 
@@ -78,10 +78,10 @@ def _xla_combine_entries(source, rows, samples, gains, num_samples):
   return jax.ops.segment_sum(weighted, samples, num_segments=num_samples, indices_are_sorted=True)
 
 
-def _xla_segment_grads(grads, samples, slots, gains, num_slots):
+def _xla_segment_grads(grads, samples, unique_index, gains, num_unique):
   entry_grads = jnp.take(grads, _no_wrap(samples, grads.shape[0]), axis=0, mode="fill", fill_value=0)
   entry_grads = entry_grads * gains[:, None].astype(grads.dtype)
-  return jax.ops.segment_sum(entry_grads, slots, num_segments=num_slots)
+  return jax.ops.segment_sum(entry_grads, unique_index, num_segments=num_unique)
 
 
 XLA_OPS = RowOps("xla", _xla_gather_rows, _xla_scatter_rows, _xla_combine_entries, _xla_segment_grads)
@@ -158,12 +158,12 @@ def _kernel_combine_entries(source, rows, samples, gains, num_samples):
       source, rows.astype(jnp.int32), samples.astype(jnp.int32), gains.astype(jnp.float32))
 
 
-def _kernel_segment_grads(grads, samples, slots, gains, num_slots):
+def _kernel_segment_grads(grads, samples, unique_index, gains, num_unique):
   if not _f32(grads):
-    return _xla_segment_grads(grads, samples, slots, gains, num_slots)
-  out = jax.ShapeDtypeStruct((num_slots, grads.shape[1]), grads.dtype)
+    return _xla_segment_grads(grads, samples, unique_index, gains, num_unique)
+  out = jax.ShapeDtypeStruct((num_unique, grads.shape[1]), grads.dtype)
   return jax.ffi.ffi_call(_TARGETS["segment_grads"], out, vmap_method="sequential")(
-      grads, samples.astype(jnp.int32), slots.astype(jnp.int32), gains.astype(jnp.float32))
+      grads, samples.astype(jnp.int32), unique_index.astype(jnp.int32), gains.astype(jnp.float32))
 
 
 def _differentiable(kernel_fn, xla_fn, nondiff_argnums=()):
@@ -190,9 +190,9 @@ def _gradient_args(row_grads, entries) -> tuple[str, tuple]:
     raise ValueError("pass exactly one of row_grads and entries.")
   if row_grads is not None:
     return "rows", (row_grads.astype(jnp.float32),)
-  grads, samples, slots, gains = entries
+  grads, samples, unique_index, gains = entries
   return "entries", (grads.astype(jnp.float32), samples.astype(jnp.int32),
-                     slots.astype(jnp.int32), gains.astype(jnp.float32))
+                     unique_index.astype(jnp.int32), gains.astype(jnp.float32))
 
 
 def _option_hyperparameters(optimizer, learning_rate: jax.Array) -> jax.Array:

@@ -10,14 +10,14 @@ device's block of rows [S * R, D'] and its slice of the `StackBatch`
 Lookup, on device g:
   1. all_to_all the requested rows `unique_rows[g]` [G, S, U] to their owners;
   2. each owner gathers the rows [G, S, U, D'] and all_to_all's them back;
-  3. activations[b] = sum_{e: sample_e = b} gain_e * rows[slot_e]  (segment sum).
+  3. activations[b] = sum_{e: sample_e = b} gain_e * rows[unique_index_e]  (segment sum).
 
 Update, on device g:
   1. per-entry gradients gain_e * dL/da[sample_e], summed per requested row
      (segment sum into [N * U, D']);
   2. all_to_all to the owners, which sum the gradients of rows requested by
      several devices (sort-based dedup; not needed when G = 1);
-  3. gather the touched rows and slots, apply the optimizer's row rule,
+  3. gather the touched rows and their optimizer slots, apply the optimizer's row rule,
      scatter them back in place. Untouched rows are never written.
 
 No array of the size of a table is created: temporaries are O(N * U * D').
@@ -47,7 +47,7 @@ def _exchange(x: jax.Array, plan: EmbeddingPlan) -> jax.Array:
 def _owned_rows(unique_rows: jax.Array, plan: EmbeddingPlan, stack: StackLayout) -> jax.Array:
   """Device-local row indices [G * S * U] requested from this device.
 
-  Requests of unused slots (-1) map to S * R, one past the device's block, so
+  Unused capacity (-1) maps to S * R, one past the device's block, so
   gathers fill zeros there and scatters drop them.
   """
   shards_per_device = plan.layout.shards_per_device
@@ -61,20 +61,21 @@ def _owned_rows(unique_rows: jax.Array, plan: EmbeddingPlan, stack: StackLayout)
 
 
 def _local_lookup(plan: EmbeddingPlan, ops: RowOps, stack: StackLayout, table, unique_rows, samples,
-                  slots, gains):
+                  unique_index, gains):
   """Per-device lookup body: returns [B_loc, D'] stacked activations."""
-  unique_rows, samples, slots, gains = unique_rows[0], samples[0], slots[0], gains[0]
+  unique_rows, samples, unique_index, gains = (
+      unique_rows[0], samples[0], unique_index[0], gains[0])
   num_shards, unique_capacity = unique_rows.shape
   dim = table.shape[1]
   owned = _owned_rows(unique_rows, plan, stack)
   if plan.num_devices == 1:
     # Every row is local: combine each entry's row straight from the table
     # instead of materialising the [N * U, D'] unique rows first.
-    source, entry_rows = table, jnp.take(owned, slots, mode="clip")
+    source, entry_rows = table, jnp.take(owned, unique_index, mode="clip")
   else:
     rows = ops.gather_rows(table, owned).reshape(plan.num_devices, -1, dim)
     source = _exchange(rows, plan).reshape(num_shards * unique_capacity, dim)
-    entry_rows = slots
+    entry_rows = unique_index
   local_batch = stack.total_batch_size // plan.num_devices
   return ops.combine_entries(source, entry_rows, samples, gains, local_batch)
 
@@ -102,7 +103,7 @@ def _row_dims(stack: StackLayout, owned: jax.Array) -> jax.Array:
   """The logical dimension of each owned row's table."""
   offsets = np.array([t.row_offset for t in stack.tables], np.int32)
   dims = np.array([t.embedding_dim for t in stack.tables], np.int32)
-  if len(stack.tables) == 1:
+  if (dims == dims[0]).all():
     return jnp.full(owned.shape, dims[0], jnp.int32)
   row_in_shard = owned % stack.rows_per_shard
   table_index = jnp.searchsorted(jnp.asarray(offsets), row_in_shard, side="right") - 1
@@ -111,10 +112,10 @@ def _row_dims(stack: StackLayout, owned: jax.Array) -> jax.Array:
 
 def _local_update(
     plan: EmbeddingPlan, ops: RowOps, stack: StackLayout, table, slot_arrays, grads, unique_rows,
-    samples, slots_index, gains, step,
+    samples, unique_index, gains, step,
 ):
   """Per-device fused gradient + optimizer update of the touched rows."""
-  unique_rows, samples, slots_index, gains = unique_rows[0], samples[0], slots_index[0], gains[0]
+  unique_rows, samples, unique_index, gains = unique_rows[0], samples[0], unique_index[0], gains[0]
   num_shards, unique_capacity = unique_rows.shape
   dim = table.shape[1]
   optimizer = plan.optimizer(stack.name)
@@ -124,8 +125,8 @@ def _local_update(
     # from the batch entries inside the update, with no [N * U, D'] buffer.
     owned = _owned_rows(unique_rows, plan, stack)
     return fused(table, slot_arrays, owned, step, _row_dims(stack, owned),
-                 entries=(grads, samples, slots_index, gains))
-  row_grads = ops.segment_grads(grads, samples, slots_index, gains, num_shards * unique_capacity)
+                 entries=(grads, samples, unique_index, gains))
+  row_grads = ops.segment_grads(grads, samples, unique_index, gains, num_shards * unique_capacity)
   row_grads = _exchange(row_grads.reshape(plan.num_devices, -1, dim), plan).reshape(-1, dim)
   owned = _owned_rows(unique_rows, plan, stack)
   if plan.num_devices > 1:
@@ -137,7 +138,7 @@ def _local_update(
     row_grads = jax.ops.segment_sum(row_grads, inverse.reshape(-1), num_segments=owned.shape[0])
   if fused is not None:
     return fused(table, slot_arrays, owned, step, _row_dims(stack, owned), row_grads=row_grads)
-  # Unused slots hold the sentinel S * R, outside the device's rows: their
+  # Unused capacity holds the sentinel S * R, outside the device's rows: their
   # gathers read zeros and their writes are dropped. Real rows are distinct.
   rows = ops.gather_rows(table, owned)
   slot_rows = {name: ops.gather_rows(value, owned) for name, value in slot_arrays.items()}
@@ -161,8 +162,10 @@ def lookup(
   for stack in plan.layout.stacks:
     stack_batch = batch[stack.name]
 
-    def body(table, unique_rows, samples, slots, gains, stack=stack):
-      activations = _local_lookup(plan, ops, stack, table, unique_rows, samples, slots, gains)
+    def body(table, unique_rows, samples, unique_index, gains, stack=stack):
+      activations = _local_lookup(
+          plan, ops, stack, table, unique_rows, samples, unique_index, gains
+      )
       return _split_features(plan, stack, activations)
 
     mapped = jax.shard_map(
@@ -189,10 +192,10 @@ def apply_gradients(
     stack_batch = batch[stack.name]
     grads = {f.name: activation_grads[f.name] for f in stack.features}
 
-    def body(table, slot_arrays, grads, unique_rows, samples, slots_index, gains, step, stack=stack):
+    def body(table, slot_arrays, grads, unique_rows, samples, unique_index, gains, step, stack=stack):
       joined = _join_features(plan, stack, grads)
       return _local_update(
-          plan, ops, stack, table, slot_arrays, joined, unique_rows, samples, slots_index, gains, step
+          plan, ops, stack, table, slot_arrays, joined, unique_rows, samples, unique_index, gains, step
       )
 
     mapped = jax.shard_map(

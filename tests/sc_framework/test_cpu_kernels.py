@@ -35,7 +35,7 @@ def _arrays(seed=0):
       index=rng.choice(ROWS, COUNT, replace=False).astype(np.int32),
       rows=rng.integers(0, ROWS, ENTRIES).astype(np.int32),
       samples=np.sort(rng.integers(0, SAMPLES, ENTRIES)).astype(np.int32),
-      slots=rng.integers(0, COUNT, ENTRIES).astype(np.int32),
+      unique_index=rng.integers(0, COUNT, ENTRIES).astype(np.int32),
       gains=rng.uniform(-1, 2, ENTRIES).astype(np.float32),
       grads=rng.normal(size=(SAMPLES, DIM)).astype(np.float32),
       row_grads=rng.normal(size=(COUNT, DIM)).astype(np.float32),
@@ -56,7 +56,7 @@ def _sgd_rows(a, row_grads):
 
 def _sgd_entries(a, samples):
   update, slots = _fused(SGD(learning_rate=0.1), a)
-  entries = (a["grads"], samples, a["slots"], a["gains"])
+  entries = (a["grads"], samples, a["unique_index"], a["gains"])
   return update(a["table"], slots, a["index"], 0, a["dims"], entries=entries)
 
 
@@ -67,7 +67,7 @@ def _adagrad_rows(a, accumulator):
 
 def _adagrad_entries(a, dims):
   update, slots = _fused(RowWiseAdagrad(learning_rate=0.1), a, a["accumulator"])
-  entries = (a["grads"], a["samples"], a["slots"], a["gains"])
+  entries = (a["grads"], a["samples"], a["unique_index"], a["gains"])
   return update(a["table"], slots, a["index"], 0, dims, entries=entries)
 
 
@@ -97,7 +97,7 @@ MISMATCHES = {
         r"sc_framework_combine_entries: samples has shape \[4\], expected 10 elements",
     ),
     "segment samples": (
-        lambda a: CPU_KERNEL_OPS.segment_grads(a["grads"], a["samples"][:9], a["slots"],
+        lambda a: CPU_KERNEL_OPS.segment_grads(a["grads"], a["samples"][:9], a["unique_index"],
                                                a["gains"], COUNT),
         r"sc_framework_segment_grads: samples has shape \[9\], expected 10 elements",
     ),
@@ -146,14 +146,14 @@ def test_concurrent_calls_share_the_pool_without_deadlock():
   table = rng.normal(size=(rows, dim)).astype(np.float32)
   index = rng.permutation(rows)[:count].astype(np.int32)
   samples = np.sort(rng.integers(0, count, entries)).astype(np.int32)
-  slots = rng.integers(0, count, entries).astype(np.int32)
+  unique_index = rng.integers(0, count, entries).astype(np.int32)
   gains = rng.uniform(-1, 2, entries).astype(np.float32)
   grads = rng.normal(size=(count, dim)).astype(np.float32)
 
   @jax.jit
   def step(table, grads):
     gathered = CPU_KERNEL_OPS.gather_rows(table, index)
-    summed = CPU_KERNEL_OPS.segment_grads(grads + gathered, samples, slots, gains, count)
+    summed = CPU_KERNEL_OPS.segment_grads(grads + gathered, samples, unique_index, gains, count)
     return CPU_KERNEL_OPS.scatter_rows(table, index, summed)
 
   expected = np.asarray(step(table, grads))

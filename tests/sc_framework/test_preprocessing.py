@@ -155,15 +155,15 @@ def decode(batch: StackBatch, local_batch: int, rows_per_shard: int):
   g_count, n_count, u_cap = batch.unique_rows.shape
   e_cap = batch.entry_samples.shape[1]
   assert batch.unique_rows.dtype == np.int32 and batch.entry_samples.dtype == np.int32
-  assert batch.entry_slots.dtype == np.int32 and batch.entry_gains.dtype == np.float32
-  assert batch.entry_slots.shape == batch.entry_gains.shape == (g_count, e_cap)
+  assert batch.entry_unique_index.dtype == np.int32 and batch.entry_gains.dtype == np.float32
+  assert batch.entry_unique_index.shape == batch.entry_gains.shape == (g_count, e_cap)
   decoded = []
   for g in range(g_count):
     unique = batch.unique_rows[g]
     used_counts = []
     for n in range(n_count):
       used = int((unique[n] >= 0).sum())
-      assert (unique[n, used:] == -1).all(), "unused slots must follow the used ones"
+      assert (unique[n, used:] == -1).all(), "unused capacity must follow the used rows"
       assert (np.diff(unique[n, :used]) > 0).all(), "unique rows must ascend"
       assert used == 0 or unique[n, used - 1] < rows_per_shard
       used_counts.append(used)
@@ -171,12 +171,12 @@ def decode(batch: StackBatch, local_batch: int, rows_per_shard: int):
     count = int((samples < local_batch).sum())
     assert (samples[:count] < local_batch).all() and (samples[count:] == local_batch).all()
     assert (np.diff(samples[:count]) >= 0).all(), "entry samples must ascend"
-    assert (batch.entry_slots[g, count:] == 0).all() and (batch.entry_gains[g, count:] == 0).all()
+    assert (batch.entry_unique_index[g, count:] == 0).all() and (batch.entry_gains[g, count:] == 0).all()
     per_sample = collections.defaultdict(list)
     touched = set()
     for e in range(count):
-      n, u = divmod(int(batch.entry_slots[g, e]), u_cap)
-      assert u < used_counts[n], "an entry points at an unused slot"
+      n, u = divmod(int(batch.entry_unique_index[g, e]), u_cap)
+      assert u < used_counts[n], "an entry points at unused capacity"
       touched.add((n, u))
       per_sample[int(samples[e])].append((n, int(unique[n, u]), float(batch.entry_gains[g, e])))
     assert touched == {(n, u) for n in range(n_count) for u in range(used_counts[n])}, (
@@ -208,7 +208,7 @@ def lookup_numpy(batch: StackBatch, table: np.ndarray, local_batch: int, rows_pe
     rows = np.where(unique >= 0, np.arange(n_count)[:, None] * rows_per_shard + unique, 0)
     gathered = table[rows.reshape(-1)] * (unique.reshape(-1, 1) >= 0)
     real = batch.entry_samples[g] < local_batch
-    contrib = batch.entry_gains[g, real, None] * gathered[batch.entry_slots[g, real]]
+    contrib = batch.entry_gains[g, real, None] * gathered[batch.entry_unique_index[g, real]]
     np.add.at(out[g], batch.entry_samples[g, real], contrib)
   return out
 
@@ -350,7 +350,7 @@ def test_all_samples_empty():
     batch = batches[stack.name]
     assert (batch.unique_rows == -1).all()
     assert (batch.entry_samples == stack.total_batch_size // 2).all()
-    assert (batch.entry_gains == 0).all() and (batch.entry_slots == 0).all()
+    assert (batch.entry_gains == 0).all() and (batch.entry_unique_index == 0).all()
     assert stats[stack.name].num_ids == 0 and stats[stack.name].max_ids_per_partition == 0
 
 
@@ -366,7 +366,7 @@ def test_same_row_twice_in_a_sample_is_one_entry():
   assert batch.entry_samples[0, :3].tolist() == [0, 0, 1]
   assert_close(batch.entry_gains[0, :3], [6 / norm, 4 / norm, 1.0], terms=4)
   assert batch.unique_rows[0, 0, :2].tolist() == [3, 5]
-  assert batch.entry_slots[0, :3].tolist() == [0, 1, 1]
+  assert batch.entry_unique_index[0, :3].tolist() == [0, 1, 1]
   assert stats["t"].num_ids == 5 and stats["t"].num_entries == 3
 
 

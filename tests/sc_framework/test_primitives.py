@@ -218,8 +218,8 @@ class RawBatch:
 
   Attributes:
     inputs: feature name -> ids in the feature's input form.
-    ids: feature name -> [B, L] int ids, PADDING_ID in unused slots.
-    weights: feature name -> [B, L] float weights, 0 in unused slots.
+    ids: feature name -> [B, L] int ids, PADDING_ID in unused places.
+    weights: feature name -> [B, L] float weights, 0 in unused places.
   """
 
   inputs: dict

@@ -47,15 +47,15 @@ def _data(seed, rows=300, dim=7, count=120, samples=40, entries=400):
   entry_rows = rng.integers(-2, rows + 2, entries).astype(np.int32)
   entry_samples = np.sort(rng.integers(0, samples + 1, entries)).astype(np.int32)  # samples = padding
   gains = rng.uniform(-1, 2, entries).astype(np.float32)
-  slots = rng.integers(0, count, entries).astype(np.int32)
+  unique_index = rng.integers(0, count, entries).astype(np.int32)
   grads = rng.normal(size=(samples, dim)).astype(np.float32)
-  return table, index, entry_rows, entry_samples, gains, slots, grads
+  return table, index, entry_rows, entry_samples, gains, unique_index, grads
 
 
 @pytest.mark.parametrize("ops", OPS, ids=OPS_IDS)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_row_ops_match_numpy(ops, seed):
-  table, index, entry_rows, entry_samples, gains, slots, grads = _data(seed)
+  table, index, entry_rows, entry_samples, gains, unique_index, grads = _data(seed)
   rows, dim = table.shape
   valid = (index >= 0) & (index < rows)
 
@@ -79,14 +79,14 @@ def test_row_ops_match_numpy(ops, seed):
   # Each sample sums its entries (the longest sum: the most entries of a sample).
   assert_close(combined, expected, terms=int(np.bincount(entry_samples).max()))
 
-  num_slots = len(index)
+  num_unique = len(index)
   summed = np.asarray(jax.jit(ops.segment_grads, static_argnums=4)(
-      grads, entry_samples, slots, gains, num_slots))
-  expected = np.zeros((num_slots, dim), np.float64)
-  for sample, slot, gain in zip(entry_samples, slots, gains):
+      grads, entry_samples, unique_index, gains, num_unique))
+  expected = np.zeros((num_unique, dim), np.float64)
+  for sample, unique, gain in zip(entry_samples, unique_index, gains):
     if sample < num_samples:
-      expected[slot] += gain * grads[sample]
-  assert_close(summed, expected, terms=int(np.bincount(slots).max()))
+      expected[unique] += gain * grads[sample]
+  assert_close(summed, expected, terms=int(np.bincount(unique_index).max()))
 
 
 def test_auto_backend_on_cpu():
@@ -193,20 +193,20 @@ def test_kernel_probe_works_inside_a_trace():
 @pytest.mark.skipif(not cpu_kernels_available(), reason="the C++ CPU kernels were not built")
 def test_kernel_ops_have_the_xla_derivatives():
   """Differentiating through the lookup (e.g. a dense reference step) works on every backend."""
-  table, index, entry_rows, entry_samples, gains, slots, grads = _data(5)
+  table, index, entry_rows, entry_samples, gains, unique_index, grads = _data(5)
   entry_rows = np.clip(entry_rows, 0, table.shape[0] - 1)
 
   def loss(ops, t, g):
     combined = ops.combine_entries(t, entry_rows, entry_samples, gains, grads.shape[0])
     gathered = ops.gather_rows(t, index)
-    summed = ops.segment_grads(g, entry_samples, slots, gains, len(index))
+    summed = ops.segment_grads(g, entry_samples, unique_index, gains, len(index))
     return (combined ** 2).sum() + (gathered ** 3).sum() + (summed ** 2).sum()
 
   want = jax.grad(lambda t, g: loss(XLA_OPS, t, g), argnums=(0, 1))(table, grads)
   got = jax.grad(lambda t, g: loss(CPU_KERNEL_OPS, t, g), argnums=(0, 1))(table, grads)
-  # Two chained sums (a sample's entries, then a row's or a slot's entries).
+  # Two chained sums (a sample's entries, then a row's or a unique row's entries).
   terms = int(max(np.bincount(entry_rows).max(), np.bincount(entry_samples).max(),
-                  np.bincount(slots).max()))
+                  np.bincount(unique_index).max()))
   jax.tree.map(lambda a, b: assert_close(a, b, terms=terms, steps=2), got, want)
 
 
@@ -247,7 +247,7 @@ def test_fused_kernels_apply_the_options_as_the_generic_rule(optimizer, options)
   num_rows, dim, count = 50, 8, 20
   row_dims = rng.choice([8, 5, 3], count).astype(np.int32)
   index = rng.choice(num_rows, count, replace=False).astype(np.int32)
-  index[[3, 11]] = [-1, num_rows + 2]  # unused slots: skipped
+  index[[3, 11]] = [-1, num_rows + 2]  # unused capacity: skipped
   table = rng.normal(size=(num_rows, dim)).astype(np.float32)
   accumulator = rng.uniform(0.0, 0.5, (num_rows, 1)).astype(np.float32)
   slots = {"accumulator": jnp.asarray(accumulator)} if optimizer.slots() else {}
@@ -283,11 +283,11 @@ def test_fused_kernels_apply_the_options_as_the_generic_rule(optimizer, options)
   grads = rng.normal(scale=1.5, size=(samples_count, dim)).astype(np.float32)
   grads[:, 5:] = 0.0
   samples = np.sort(rng.integers(0, samples_count + 1, entries)).astype(np.int32)
-  entry_slots = rng.integers(0, count, entries).astype(np.int32)
+  entry_unique_index = rng.integers(0, count, entries).astype(np.int32)
   gains = rng.uniform(-1, 2, entries).astype(np.float32)
-  summed = np.asarray(XLA_OPS.segment_grads(grads, samples, entry_slots, gains, count))
+  summed = np.asarray(XLA_OPS.segment_grads(grads, samples, entry_unique_index, gains, count))
   got = jax.jit(lambda t, s: fused(t, s, jnp.asarray(index), step, jnp.asarray(row_dims),
-                                   entries=(grads, samples, entry_slots, gains)))(
+                                   entries=(grads, samples, entry_unique_index, gains)))(
       jnp.asarray(table), slots)
   want = generic(summed)
   terms = dim * entries  # the per-row sums over entries, then over the row

@@ -342,7 +342,7 @@ def test_each_position_entry_carries_its_weight_whatever_the_combiner(combiner, 
   real = samples < stack.total_batch_size
   position = samples[real] - offset
   mine = (position >= 0) & (position < BATCH * LENGTH)
-  rows = buffers.unique_rows[0, 0][buffers.entry_slots[0][real][mine]]
+  rows = buffers.unique_rows[0, 0][buffers.entry_unique_index[0][real][mine]]
   b, l = np.divmod(position[mine], LENGTH)
   np.testing.assert_array_equal(rows - stack.tables[0].row_offset, ids[b, l])
   assert_same_bits(buffers.entry_gains[0][real][mine], weights[b, l])
