@@ -42,6 +42,7 @@ from checkpoint._layouts import layout_for_tables, parse_groups, relayout
 from checkpoint._reader import CheckpointReader, find_item
 from checkpoint._storage import StorageOptions
 from checkpoint._verify import adopt_step, verify
+from sc_framework.cli_types import integer_at_least
 from sc_framework.stacking import EmbeddingLayout
 
 
@@ -50,16 +51,6 @@ class _Parser(argparse.ArgumentParser):
 
   def error(self, message: str):
     self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def _positive_int(text: str) -> int:
-  try:
-    value = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-  return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -85,9 +76,9 @@ def _parser() -> argparse.ArgumentParser:
   conv.add_argument("dst", help="output directory (must not exist unless --overwrite)")
   conv.add_argument("--layout", help="target layout JSON file (EmbeddingLayout.to_json)")
   conv.add_argument(
-      "--num-devices", type=_positive_int, help="target G (devices on the table axis)"
+      "--num-devices", type=integer_at_least(1), help="target G (devices on the table axis)"
   )
-  conv.add_argument("--shards-per-device", type=_positive_int, help="target S (shards per device)")
+  conv.add_argument("--shards-per-device", type=integer_at_least(1), help="target S (shards per device)")
   conv.add_argument(
       "--groups",
       help="target stacking groups: 'a,b;c' (';' between stacks), 'separate' (one table per"

@@ -206,41 +206,19 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     return action.help if action.default is None else super()._get_help_string(action)
 
 
-def _int_at_least(minimum: int):
-  def parse(text: str) -> int:
-    try:
-      value = int(text)
-    except ValueError:
-      raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < minimum:
-      raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-    return value
-
-  parse.__name__ = f"int >= {minimum}"
-  return parse
-
-
-def _positive_float(text: str) -> float:
-  try:
-    value = float(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-  if not (math.isfinite(value) and value > 0):
-    raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
-  return value
-
-
 def _parser() -> argparse.ArgumentParser:
+  from sc_framework.cli_types import integer_at_least, positive_float
+
   parser = _Parser(prog="dlrm.py", description=__doc__.split("\n\n")[0], allow_abbrev=False,
                    formatter_class=_HelpFormatter)
-  count, positive = _int_at_least(0), _int_at_least(1)
+  count, positive = integer_at_least(0), integer_at_least(1)
   parser.add_argument("--steps", type=count, default=1000,
                       help="training steps of this run (a resumed run trains this many more)")
   parser.add_argument("--batch-size", type=positive, default=1024,
                       help="global batch size in samples (a multiple of the device count)")
   parser.add_argument("--embedding-dim", type=positive, default=16,
                       help="width of every embedding table")
-  parser.add_argument("--vocab-scale", type=_positive_float, default=1.0,
+  parser.add_argument("--vocab-scale", type=positive_float, default=1.0,
                       help="scales the 26 vocabularies (1.0: about 285k rows in all)")
   parser.add_argument("--eval-batches", type=positive, default=8,
                       help="batches of the held-out evaluation stream")
@@ -254,9 +232,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="steps between checkpoints (with a workdir; one also at the end)")
   parser.add_argument("--seed", type=count, default=0,
                       help="seeds the initialisation and the synthetic data")
-  parser.add_argument("--learning-rate", type=_positive_float, default=0.003,
+  parser.add_argument("--learning-rate", type=positive_float, default=0.003,
                       help="Adam learning rate of the dense layers")
-  parser.add_argument("--embedding-learning-rate", type=_positive_float, default=0.05,
+  parser.add_argument("--embedding-learning-rate", type=positive_float, default=0.05,
                       help="row-wise Adagrad learning rate of the embedding tables")
   group = parser.add_argument_group(
       "several processes", "default: the JAX_* environment variables, else one process")

@@ -191,69 +191,44 @@ def cross_entropy(logits, labels):
 # --- the command line ----------------------------------------------------------
 
 
-def _positive(name: str, kind=int):
-  def parse(text: str):
-    try:
-      value = kind(text)
-    except ValueError:
-      raise argparse.ArgumentTypeError(f"{name} must be a {kind.__name__}, got {text!r}") from None
-    if not value > 0 or (kind is float and not math.isfinite(value)):
-      raise argparse.ArgumentTypeError(f"{name} must be > 0, got {text}")
-    return value
-
-  return parse
-
-
-def _non_negative_int(name: str):
-  def parse(text: str):
-    try:
-      value = int(text)
-    except ValueError:
-      raise argparse.ArgumentTypeError(f"{name} must be an int, got {text!r}") from None
-    if value < 0:
-      raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {text}")
-    return value
-
-  return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
+  from sc_framework.cli_types import integer_at_least, positive_float
+
   parser = argparse.ArgumentParser(
       description=__doc__.split("\n\n")[0], allow_abbrev=False,
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  parser.add_argument("--steps", type=_non_negative_int("--steps"), default=2000,
+  parser.add_argument("--steps", type=integer_at_least(0), default=2000,
                       help="training steps of this run")
-  parser.add_argument("--batch-size", type=_positive("--batch-size"), default=128,
+  parser.add_argument("--batch-size", type=integer_at_least(1), default=128,
                       help="windows per (global) batch; a multiple of the device count")
-  parser.add_argument("--seq-len", type=_positive("--seq-len"), default=8,
+  parser.add_argument("--seq-len", type=integer_at_least(1), default=8,
                       help="L, tokens of context per window")
-  parser.add_argument("--embedding-dim", type=_positive("--embedding-dim"), default=16,
+  parser.add_argument("--embedding-dim", type=integer_at_least(1), default=16,
                       help="D, the embedding dimension")
-  parser.add_argument("--hidden", type=_non_negative_int("--hidden"), default=128,
+  parser.add_argument("--hidden", type=integer_at_least(0), default=128,
                       help="width of the hidden layer; 0: logits straight from the flattened"
                            " embeddings")
-  parser.add_argument("--vocab", type=_positive("--vocab"), default=32,
+  parser.add_argument("--vocab", type=integer_at_least(1), default=32,
                       help="tokens of the generated source (ignored with --text)")
-  parser.add_argument("--successors", type=_positive("--successors"), default=3,
+  parser.add_argument("--successors", type=integer_at_least(1), default=3,
                       help="possible next tokens per context of the generated source")
-  parser.add_argument("--corpus-tokens", type=_positive("--corpus-tokens"), default=100_000,
+  parser.add_argument("--corpus-tokens", type=integer_at_least(1), default=100_000,
                       help="length of the generated corpus")
   parser.add_argument("--text", default=None, metavar="FILE",
                       help="train on this UTF-8 text file (characters as tokens) instead")
-  parser.add_argument("--eval-batches", type=_positive("--eval-batches"), default=8,
+  parser.add_argument("--eval-batches", type=integer_at_least(1), default=8,
                       help="batches of the held-out part for the perplexity")
   parser.add_argument("--pipelining", action=argparse.BooleanOptionalAction, default=True,
                       help="overlap the lookup of batch k+1 with the dense step of batch k")
   parser.add_argument("--workdir", default="sequence_lm_workdir",
                       help="checkpoints, metrics.jsonl and the plot; '' disables them")
-  parser.add_argument("--save-every", type=_positive("--save-every"), default=500,
+  parser.add_argument("--save-every", type=integer_at_least(1), default=500,
                       help="steps between checkpoints")
   parser.add_argument("--seed", type=int, default=0,
                       help="selects the source, the corpus and the initialisation")
-  parser.add_argument("--learning-rate", type=_positive("--learning-rate", float), default=0.01,
+  parser.add_argument("--learning-rate", type=positive_float, default=0.01,
                       help="dense Adam learning rate")
-  parser.add_argument("--embedding-learning-rate", type=_positive("--embedding-learning-rate",
-                                                                 float),
+  parser.add_argument("--embedding-learning-rate", type=positive_float,
                       default=0.3, help="Adagrad learning rate of the embedding table")
   return parser
 

@@ -40,9 +40,9 @@ def test_any_text_file(tmp_path):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--steps", "-1"], "--steps must be >= 0"),
-        (["--batch-size", "0"], "--batch-size must be > 0"),
-        (["--learning-rate", "nan"], "--learning-rate must be > 0"),
+        (["--steps", "-1"], "argument --steps: must be >= 0, got -1"),
+        (["--batch-size", "0"], "argument --batch-size: must be >= 1, got 0"),
+        (["--learning-rate", "nan"], "argument --learning-rate: must be a number > 0, got nan"),
         (["--vocab", "4", "--successors", "5"], "--successors 5 exceeds --vocab 4"),
         (["--batch-size", "12"], "--batch-size 12 is not a multiple of the 8 devices"),
         (["--text", "/nonexistent/file.txt"], "--text '/nonexistent/file.txt' is not a readable"),

@@ -1,0 +1,45 @@
+"""Argument types for command lines: bounded numbers with one-line errors.
+
+`argparse` calls a type on the flag's text and, on `ArgumentTypeError`, prints
+`error: argument --flag: <message>`. The types here refuse what a training
+or checkpoint command cannot use (a negative step count, zero devices, a
+NaN learning rate) with a message that gives the bound and the value:
+
+  parser.add_argument("--steps", type=integer_at_least(0))
+  parser.add_argument("--learning-rate", type=positive_float)
+
+`sc-checkpoint` and the examples use them; so can a user's own script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+
+def integer_at_least(minimum: int) -> Callable[[str], int]:
+  """A type accepting an integer n >= `minimum`."""
+
+  def parse(text: str) -> int:
+    try:
+      value = int(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < minimum:
+      raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+    return value
+
+  parse.__name__ = f"int >= {minimum}"  # argparse names the type by it
+  return parse
+
+
+def positive_float(text: str) -> float:
+  """A type accepting a finite number x > 0."""
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+  if not (math.isfinite(value) and value > 0):
+    raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+  return value
