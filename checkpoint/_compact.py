@@ -9,14 +9,30 @@ same state from it, and no longer need the steps before it.
 The new step is complete on disk before the old one moves: it is written as
 `<step>.compacting` (by `convert`, itself atomic), then the delta step is
 renamed `<step>.replaced`, the new one renamed `<step>`, and the old one
-deleted. A crash between the two renames leaves no `<step>`, with both
-versions beside it under those names; rename either back to recover.
+deleted. A crash in between leaves one of these states, which
+`finish_interrupted_compactions` (run by every writable `CheckpointManager`
+when it opens a root, and by `compact` itself) resolves without losing a
+step:
+
+  on disk after the crash              resolved to
+  <step>, <step>.compacting[.tmp]      <step> (the delta; the copy is removed)
+  <step>.replaced, <step>.compacting   <step> = the complete full copy
+  <step>.replaced only                 <step> = the delta, renamed back
+  <step>, <step>.replaced              <step> (the full step; the old removed)
+
+A staged copy is used only if its integrity manifest checks; links are
+never followed, renamed or removed.
 """
 
 from __future__ import annotations
 
+import re
+import warnings
+
+import jax
 from etils import epath
 
+from checkpoint import _integrity, _steps
 from checkpoint._chain import ChainReader, open_reader
 from checkpoint._convert import ConversionProgress, convert
 from checkpoint._errors import NotACheckpointError
@@ -25,6 +41,9 @@ from checkpoint._reader import find_item
 
 COMPACTING_SUFFIX = ".compacting"
 REPLACED_SUFFIX = ".replaced"
+_LEFT_BEHIND = re.compile(
+    r"^(\d+)(" + re.escape(COMPACTING_SUFFIX) + "|" + re.escape(REPLACED_SUFFIX) + r")"
+)
 
 
 def compact(step_dir: epath.PathLike, *, progress: ConversionProgress | None = None) -> bool:
@@ -43,6 +62,7 @@ def compact(step_dir: epath.PathLike, *, progress: ConversionProgress | None = N
     BrokenChainError: a link of its chain is missing or damaged.
   """
   step_dir = epath.Path(step_dir)
+  _finish(step_dir)
   item = find_item(step_dir)
   if item is None or (step_dir / MANIFEST_FILE).exists():
     raise NotACheckpointError(
@@ -60,3 +80,57 @@ def compact(step_dir: epath.PathLike, *, progress: ConversionProgress | None = N
   staged.rename(step_dir)
   replaced.rmtree()
   return True
+
+
+def finish_interrupted_compactions(directory: epath.PathLike) -> list[epath.Path]:
+  """Completes or undoes every compaction a crash interrupted under a root.
+
+  See the module docstring for the states and how each is resolved. Only the
+  primary process changes the root (as `remove_unfinished_saves` does).
+
+  Returns:
+    The step directories that were put back in place.
+  """
+  directory = epath.Path(directory)
+  if jax.process_index() != 0 or not directory.is_dir():
+    return []
+  steps = sorted({
+      match.group(1) for child in directory.iterdir()
+      if (match := _LEFT_BEHIND.match(child.name)) is not None
+  }, key=int)
+  return [directory / step for step in steps if _finish(directory / step)]
+
+
+def _finish(step_dir: epath.Path) -> bool:
+  """Resolves what an interrupted compaction of `step_dir` left; True if it put a step back."""
+  staged = step_dir.parent / (step_dir.name + COMPACTING_SUFFIX)
+  replaced = step_dir.parent / (step_dir.name + REPLACED_SUFFIX)
+  restored = None
+  if not _occupied(step_dir):
+    if _is_real_dir(staged) and _steps.manifest_problem(staged) is None:
+      staged.rename(step_dir)
+      restored = "the compacted full step"
+    elif _is_real_dir(replaced):
+      replaced.rename(step_dir)
+      restored = "the delta step, as it was before"
+  if restored is not None:
+    warnings.warn(
+        f"an interrupted compaction of {step_dir} was resolved: {step_dir} is {restored}.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+  if _occupied(step_dir):
+    # The step is in place: what a compaction left beside it is a stale copy.
+    prefix = step_dir.name + COMPACTING_SUFFIX
+    for leftover in step_dir.parent.iterdir():
+      if (leftover == replaced or leftover.name.startswith(prefix)) and _is_real_dir(leftover):
+        leftover.rmtree()
+  return restored is not None
+
+
+def _occupied(path: epath.Path) -> bool:
+  return _integrity.is_link(path) or path.exists()
+
+
+def _is_real_dir(path: epath.Path) -> bool:
+  return not _integrity.is_link(path) and path.is_dir()

@@ -37,6 +37,7 @@ from etils import epath
 from orbax.checkpoint import checkpoint_managers as policies
 
 from checkpoint import _integrity, _steps
+from checkpoint._compact import finish_interrupted_compactions
 from checkpoint._errors import CorruptCheckpointError, NotACheckpointError
 from checkpoint._handler import EmbeddingRestore, EmbeddingSave, TableRestore
 from checkpoint._incremental import (
@@ -145,6 +146,7 @@ class CheckpointManager:
     self._read_only = read_only
     if not read_only:
       remove_unfinished_saves(self._directory)
+      finish_interrupted_compactions(self._directory)
     _steps.warn_foreign_entries(self._directory)
     save_policy = policies.AnySavePolicy(
         [
