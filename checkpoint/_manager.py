@@ -39,7 +39,12 @@ from orbax.checkpoint import checkpoint_managers as policies
 from checkpoint import _integrity, _steps
 from checkpoint._compact import finish_interrupted_compactions
 from checkpoint._errors import CorruptCheckpointError, NotACheckpointError
-from checkpoint._handler import EmbeddingRestore, EmbeddingSave, TableRestore
+from checkpoint._handler import (
+    EmbeddingCheckpointHandler,
+    EmbeddingRestore,
+    EmbeddingSave,
+    TableRestore,
+)
 from checkpoint._incremental import (
     ChainPreservation,
     IncrementalPolicy,
@@ -170,7 +175,9 @@ class CheckpointManager:
         step_name_format=_steps.CompleteSteps(ocp.step.standard_name_format()),
         temporary_path_class=_steps.committing_manifest(self._directory),
     )
-    self._manager = ocp.CheckpointManager(self._directory, options=options)
+    self._manager = ocp.CheckpointManager(
+        self._directory, options=options, handler_registry=_embedding_registry(embedding_item)
+    )
     # Retention must not delete what no save wrote: Orbax offers no hook for
     # this, so its deleter (a private attribute) is wrapped where it exists.
     if hasattr(self._manager, "_checkpoint_deleter"):
@@ -393,6 +400,20 @@ class CheckpointManager:
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+def _embedding_registry(embedding_item: str) -> ocp.handlers.DefaultCheckpointHandlerRegistry:
+  """One handler for the embedding item, for its save and both of its restores.
+
+  Orbax binds an item to the first restore args it sees; registering the
+  three kinds up front lets one manager restore with `EmbeddingRestore` and
+  `TableRestore` in any order. Other items register on first use, as usual.
+  """
+  registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+  handler = EmbeddingCheckpointHandler()
+  for args in (EmbeddingSave, EmbeddingRestore, TableRestore):
+    registry.add(embedding_item, args, handler)
+  return registry
 
 
 def _metric_getter(key: str) -> Callable[[Mapping[str, Any]], float]:

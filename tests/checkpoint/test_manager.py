@@ -72,6 +72,24 @@ def test_embedding_item_travels_with_ordinary_orbax_items(tmp_path):
   assert info["latest_step"] == 10 and info["latest"]["embedding_item"] == "embedding"
 
 
+def test_one_manager_saves_and_restores_the_embedding_every_way_in_any_order(tmp_path):
+  model, layout, embedding = _state()
+  other = model.layout([["a"], ["b"]], 2, 1)
+  with ck.CheckpointManager(tmp_path, embedding_item="tables") as mngr:
+    mngr.save(1, embedding, force=True)
+    mngr.wait_until_finished()
+    for _ in range(2):
+      for target in (layout, other):
+        restored = mngr.restore(1, ck.EmbeddingRestore(target, make_mesh(target.num_devices),
+                                                       AXIS))["tables"]
+        model.check(target, restored.tables, restored.slots)
+      rows = mngr.restore(1, ck.TableRestore(tables=["a"], rows={"a": (5, 40)}))["tables"]
+      assert_same_bits(rows.tables["a"], model.logical["a"][5:40])
+    mngr.save(2, embedding, force=True)  # Saving still works after both restores.
+    mngr.wait_until_finished()
+    assert mngr.all_steps() == [1, 2]
+
+
 def test_interval_on_demand_and_retention_keeps_the_newest(tmp_path):
   _, _, embedding = _state()
   meta = lambda step: {"data": ocp.args.JsonSave({"step": step})}  # noqa: E731
