@@ -64,9 +64,11 @@ def local_slice(batch: dict, devices: range, num_devices: int) -> dict:
 
 
 def make_trainer(workdir=None, *, seed: int = 0, pipelining: bool = True,
-                 learning_rate: float = 0.3, mesh=None) -> Trainer:
+                 learning_rate: float = 0.3, mesh=None, save_every: int | None = None,
+                 incremental=None) -> Trainer:
   return Trainer(Head(), make_specs(learning_rate), mse, optax.adam(0.05), pipelining=pipelining,
-                 progress="off", padding_id=-1, workdir=workdir, seed=seed, mesh=mesh)
+                 progress="off", padding_id=-1, workdir=workdir, seed=seed, mesh=mesh,
+                 save_every=save_every, incremental=incremental)
 
 
 def local_batches(trainer: Trainer, batches: list[dict]) -> list[dict]:

@@ -73,7 +73,13 @@ def run(config):
   rate = config.get("learning_rate", 0.3)
   if isinstance(rate, list):
     rate = rate[process]
-  trainer = make_trainer(config.get("workdir"), learning_rate=rate)
+  incremental = None
+  if config.get("incremental"):
+    from checkpoint import IncrementalPolicy
+
+    incremental = IncrementalPolicy(**config["incremental"])
+  trainer = make_trainer(config.get("workdir"), learning_rate=rate,
+                         save_every=config.get("save_every"), incremental=incremental)
   data = local_batches(trainer, make_batches(config["batches"], config["seed"]))
   if config.get("short") == process:
     data = data[:-1]
