@@ -162,7 +162,10 @@ class CheckpointManager:
     options = ocp.CheckpointManagerOptions(
         save_decision_policy=save_policy,
         preservation_policy=ChainPreservation(
-            policies.AnyPreservationPolicy(preserve), self._incremental.parent_of
+            _steps.KeepStepsWithForeignEntries(
+                policies.AnyPreservationPolicy(preserve), self._directory
+            ),
+            self._incremental.parent_of,
         ),
         best_fn=metric_fn,
         best_mode=best_mode,
@@ -178,12 +181,6 @@ class CheckpointManager:
     self._manager = ocp.CheckpointManager(
         self._directory, options=options, handler_registry=_embedding_registry(embedding_item)
     )
-    # Retention must not delete what no save wrote: Orbax offers no hook for
-    # this, so its deleter (a private attribute) is wrapped where it exists.
-    if hasattr(self._manager, "_checkpoint_deleter"):
-      self._manager._checkpoint_deleter = _steps.KeepForeignEntries(  # noqa: SLF001
-          self._manager._checkpoint_deleter, self._directory  # noqa: SLF001
-      )
 
   @property
   def directory(self) -> epath.Path:

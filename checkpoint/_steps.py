@@ -128,44 +128,43 @@ class CompleteSteps:
     return getattr(self._base, name)
 
 
-class KeepForeignEntries:
-  """Wraps Orbax's step deleter: a step holding entries no save wrote is not deleted.
+class KeepStepsWithForeignEntries:
+  """An Orbax preservation policy: `inner`'s kept steps, and every step holding foreign entries.
 
-  Retention would delete such a step whole, foreign entries included; it is
-  left in place instead and named in a warning (it is retired again, and
-  warned about again, after the next restart, until the entries are moved).
+  Retention would delete a step whole, entries no save wrote included; such
+  a step is preserved instead (it stays a complete, restorable step) and
+  named once per manager in a warning, until the entries are moved out.
+
+  Args:
+    inner: the retention policy (latest N, best N, chains, ...).
+    directory: the manager's root.
   """
 
-  def __init__(self, base: Any, directory: epath.Path):
-    self._base = base
+  def __init__(self, inner: Any, directory: epath.Path):
+    self._inner = inner
     self._directory = directory
+    self._warned: set[int] = set()
 
-  def delete(self, step: int) -> None:
-    if self._keep(step):
-      return
-    self._base.delete(step)
+  def should_preserve(self, checkpoints, *, context) -> list[bool]:
+    kept = self._inner.should_preserve(checkpoints, context=context)
+    return [keep or self._holds_foreign(info.step) for keep, info in zip(kept, checkpoints)]
 
-  def delete_steps(self, steps) -> None:
-    self._base.delete_steps([step for step in steps if not self._keep(step)])
-
-  def _keep(self, step: int) -> bool:
+  def _holds_foreign(self, step: int) -> bool:
     step_dir = self._directory / str(step)
     if not step_dir.is_dir() or _integrity.is_link(step_dir):
       return False
     problems = _integrity.check_step(step_dir, depth="structure")
     foreign = [problem for problem in problems if problem.severity == "foreign"]
-    if foreign:
+    if foreign and step not in self._warned:
+      self._warned.add(step)
       warnings.warn(
           f"checkpoint step {step_dir} is past retention but holds entries no save wrote"
-          f" ({', '.join(str(p.path) for p in foreign)}); it is left in place, not deleted."
+          f" ({', '.join(str(p.path) for p in foreign)}); it is kept, not deleted."
           " Move those entries out and the step goes at the next retention.",
           RuntimeWarning,
           stacklevel=3,
       )
     return bool(foreign)
-
-  def __getattr__(self, name: str) -> Any:
-    return getattr(self._base, name)
 
 
 def committing_manifest(directory: epath.Path) -> type:
