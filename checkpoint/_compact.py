@@ -119,8 +119,9 @@ def _finish(step_dir: epath.Path) -> bool:
         RuntimeWarning,
         stacklevel=3,
     )
-  if _occupied(step_dir):
+  if _is_real_dir(step_dir):
     # The step is in place: what a compaction left beside it is a stale copy.
+    # (Beside a link at <step>, nothing is removed: the link is no step.)
     prefix = step_dir.name + COMPACTING_SUFFIX
     for leftover in step_dir.parent.iterdir():
       if (leftover == replaced or leftover.name.startswith(prefix)) and _is_real_dir(leftover):
