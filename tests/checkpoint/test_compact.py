@@ -150,3 +150,17 @@ def test_compact_resolves_its_own_interrupted_run_first(saved, tmp_path):
   assert sorted(os.listdir(root)) == [str(s) for s in range(STEPS)]
   assert _is_full(root / str(STEP))
   _restores_as_saved(root, states)
+
+
+def test_nothing_is_removed_beside_a_link_in_the_steps_place(saved, tmp_path):
+  base, _ = saved
+  root = tmp_path / "root"
+  shutil.copytree(base / "delta", root)
+  os.rename(root / str(STEP), root / f"{STEP}{REPLACED_SUFFIX}")
+  shutil.copytree(base / "compacted" / str(STEP), tmp_path / "elsewhere")
+  os.symlink(tmp_path / "elsewhere", root / str(STEP))
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    ck.CheckpointManager(root, keep_latest=10).close()
+  assert os.path.islink(root / str(STEP))
+  assert _is_full(tmp_path / "elsewhere") and not _is_full(root / f"{STEP}{REPLACED_SUFFIX}")
