@@ -25,7 +25,9 @@ setup(
         Extension(
             "sc_framework.primitives._cpu_kernels",
             sources=["sc_framework/primitives/_cpu_kernels.cc"],
-            extra_compile_args=["-O3", "-std=c++17", "-Wall", "-Wextra", *_ffi_include_flags()],
+            # -fno-math-errno: std::sqrt sets no errno, so loops over it vectorise.
+            extra_compile_args=["-O3", "-std=c++17", "-fno-math-errno", "-Wall", "-Wextra",
+                                *_ffi_include_flags()],
             language="c++",
             optional=True,
         )

@@ -716,9 +716,9 @@ ffi::Error RowwiseAdagradStepEntriesImpl(
 //       -> (table, slots...)
 //   <Rule>StepEntries(table, slots..., index [K], grads [B, D], samples [E],
 //                     unique_index [E], gains [E], dims [K], hyper) -> (table, slots...)
-// A Rule holds its hyperparameters (kHyper values, read from hyper) and maps
-// (w, g, the element's slot values) to the new w before decay, updating the
-// slot values in place.
+// A Rule names its slots, its kHyper values and its kernels; Rule::With(hyper,
+// fn) calls fn with the rule's step, which maps (w, g, the element's slot
+// values) to the new w before decay and updates the slot values in place.
 
 struct AdagradRule {
   static constexpr int kSlots = 1;
@@ -727,6 +727,10 @@ struct AdagradRule {
   static constexpr char kHyperMeaning[] = "{learning rate, eps, row options}";
   static constexpr char kRowsKernel[] = "sc_framework_adagrad_step_rows";
   static constexpr char kEntriesKernel[] = "sc_framework_adagrad_step_entries";
+  template <typename Fn>
+  static void With(const float* hyper, const Fn& fn) {
+    fn(AdagradRule(hyper));
+  }
   float lr, eps;
   explicit AdagradRule(const float* h) : lr(h[0]), eps(h[1]) {}
   float operator()(float w, float g, float* const* slot, int64_t d) const {
@@ -745,6 +749,10 @@ struct AdamRule {
       " the root, eps outside, row options}";
   static constexpr char kRowsKernel[] = "sc_framework_adam_step_rows";
   static constexpr char kEntriesKernel[] = "sc_framework_adam_step_entries";
+  template <typename Fn>
+  static void With(const float* hyper, const Fn& fn) {
+    fn(AdamRule(hyper));
+  }
   float lr, beta1, one_minus_beta1, beta2, one_minus_beta2, correction1, correction2, eps_inside,
       eps_outside;
   explicit AdamRule(const float* h)
@@ -760,6 +768,41 @@ struct AdamRule {
   }
 };
 
+// FTRL's n^p: the correctly rounded square root for the usual p = 1/2 (a
+// loop over it vectorises), std::pow otherwise.
+struct SquareRoot {
+  explicit SquareRoot(float) {}
+  float operator()(float n) const { return std::sqrt(n); }
+};
+
+struct Power {
+  float power;
+  explicit Power(float p) : power(p) {}
+  float operator()(float n) const { return std::pow(n, power); }
+};
+
+template <typename Root>
+struct FtrlStep {
+  float gradient_scale, divisor, threshold, beta, l2_term;
+  Root root;
+  explicit FtrlStep(const float* h)
+      : gradient_scale(h[0]), divisor(h[1]), threshold(h[3]), beta(h[4]), l2_term(h[5]),
+        root(h[2]) {}
+  float operator()(float w, float g, float* const* slot, int64_t d) const {
+    const float n = slot[0][d];
+    const float n_new = n + g * g;
+    const float root_new = root(n_new), root_old = root(n);
+    const float z = slot[1][d] + gradient_scale * g - (root_new - root_old) / divisor * w;
+    slot[0][d] = n_new;
+    slot[1][d] = z;
+    const float quadratic = (beta + root_new) / divisor + l2_term;
+    // Both sides computed, then selected: a branch-free loop (|z| > threshold >= 0
+    // implies z != 0, so copysign gives sign(z) * threshold).
+    const float shrunk = (std::copysign(threshold, z) - z) / quadratic;
+    return std::fabs(z) > threshold ? shrunk : 0.0f;
+  }
+};
+
 struct FtrlRule {
   static constexpr int kSlots = 2;
   static constexpr int kHyper = 6;
@@ -768,22 +811,13 @@ struct FtrlRule {
       "{gradient scale, divisor, power, l1 threshold, beta, l2 term, row options}";
   static constexpr char kRowsKernel[] = "sc_framework_ftrl_step_rows";
   static constexpr char kEntriesKernel[] = "sc_framework_ftrl_step_entries";
-  float gradient_scale, divisor, power, threshold, beta, l2_term;
-  explicit FtrlRule(const float* h)
-      : gradient_scale(h[0]), divisor(h[1]), power(h[2]), threshold(h[3]), beta(h[4]),
-        l2_term(h[5]) {}
-  // n^p, with the correctly rounded square root for the usual p = 1/2.
-  float Root(float n) const { return power == 0.5f ? std::sqrt(n) : std::pow(n, power); }
-  float operator()(float w, float g, float* const* slot, int64_t d) const {
-    const float n = slot[0][d];
-    const float n_new = n + g * g;
-    const float root_new = Root(n_new), root_old = Root(n);
-    const float z = slot[1][d] + gradient_scale * g - (root_new - root_old) / divisor * w;
-    slot[0][d] = n_new;
-    slot[1][d] = z;
-    const float quadratic = (beta + root_new) / divisor + l2_term;
-    return std::fabs(z) > threshold ? ((z > 0.0f ? threshold : -threshold) - z) / quadratic
-                                    : 0.0f;
+  template <typename Fn>
+  static void With(const float* hyper, const Fn& fn) {
+    if (hyper[2] == 0.5f) {
+      fn(FtrlStep<SquareRoot>(hyper));
+    } else {
+      fn(FtrlStep<Power>(hyper));
+    }
   }
 };
 
@@ -806,17 +840,18 @@ template <typename Rule, typename Grads>
 void ElementwiseUpdate(float* table, const std::array<float*, Rule::kSlots>& slots, int64_t rows,
                        int64_t dim, const int32_t* index, int64_t count, const Grads& grads,
                        const int32_t* logical_dims, const float* hyper) {
-  const Rule rule(hyper);
   const RowOptions options = RowOptions::From(hyper + Rule::kHyper);
   PrefetchRows prefetch{{table}, dim};
   prefetch.arrays.insert(prefetch.arrays.end(), slots.begin(), slots.end());
-  UpdateTouchedRows(rows, dim, index, count, grads, options, prefetch,
-                    [&](int64_t k, int64_t row, const float* g) {
-                      std::array<float*, Rule::kSlots> slot_rows;
-                      for (int s = 0; s < Rule::kSlots; ++s) slot_rows[s] = slots[s] + row * dim;
-                      ElementwiseRow(rule, table + row * dim, slot_rows.data(), g, dim,
-                                     logical_dims[k], options);
-                    });
+  Rule::With(hyper, [&](const auto& rule) {
+    UpdateTouchedRows(rows, dim, index, count, grads, options, prefetch,
+                      [&](int64_t k, int64_t row, const float* g) {
+                        std::array<float*, Rule::kSlots> slot_rows;
+                        for (int s = 0; s < Rule::kSlots; ++s) slot_rows[s] = slots[s] + row * dim;
+                        ElementwiseRow(rule, table + row * dim, slot_rows.data(), g, dim,
+                                       logical_dims[k], options);
+                      });
+  });
 }
 
 // A slot shaped like the table [R, D], and its output.
