@@ -523,12 +523,7 @@ struct EntryGrads {
   }
 };
 
-// The loop of every fused update: for each index k whose row is in [0, R),
-// read the row's gradient (Grads), clip it (steps 1 and 2 of the options) and
-// hand it to update_row(k, row, g), which applies the rule and steps 4 and 5 in
-// place. Indices are split over threads; the callers' rows are distinct, so no
-// two threads write the same row. `prefetch` names the arrays whose rows the
-// update reads, fetched a few indices ahead.
+// The arrays whose rows a fused update reads, fetched a few indices ahead.
 struct PrefetchRows {
   std::vector<const float*> arrays;  // each [R, width]
   int64_t width;
@@ -537,6 +532,11 @@ struct PrefetchRows {
   }
 };
 
+// The loop of every fused update: for each index k whose row is in [0, R),
+// read the row's gradient (Grads), clip it (steps 1 and 2 of the options) and
+// hand it to update_row(k, row, g), which applies the rule and steps 4 and 5 in
+// place. Indices are split over threads; the callers' rows are distinct, so no
+// two threads write the same row.
 template <typename Grads, typename UpdateRow>
 void UpdateTouchedRows(int64_t rows, int64_t dim, const int32_t* index, int64_t count,
                        const Grads& grads, const RowOptions& options, const PrefetchRows& prefetch,

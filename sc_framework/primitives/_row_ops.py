@@ -218,17 +218,18 @@ def _option_hyperparameters(optimizer, learning_rate: jax.Array) -> jax.Array:
   ]).astype(jnp.float32)
 
 
-def _sgd_hyperparameters(optimizer: SGD, lr, step) -> list[jax.Array]:
+def _sgd_hyperparameters(optimizer: SGD, lr, step) -> list[jax.typing.ArrayLike]:
   del optimizer, step
   return [lr]
 
 
-def _adagrad_hyperparameters(optimizer: Adagrad | RowWiseAdagrad, lr, step) -> list[jax.Array]:
+def _adagrad_hyperparameters(optimizer: Adagrad | RowWiseAdagrad, lr,
+                             step) -> list[jax.typing.ArrayLike]:
   del step
   return [lr, jnp.float32(optimizer.eps)]
 
 
-def _adam_hyperparameters(optimizer: Adam, lr, step) -> list[jax.Array]:
+def _adam_hyperparameters(optimizer: Adam, lr, step) -> list[jax.typing.ArrayLike]:
   """{lr, b1, 1 - b1, b2, 1 - b2, 1 - b1^t, 1 - b2^t, eps inside the root, eps outside}.
 
   The bias corrections are computed here as `Adam.update_rule` computes them
@@ -242,7 +243,7 @@ def _adam_hyperparameters(optimizer: Adam, lr, step) -> list[jax.Array]:
           1.0 - optimizer.beta1**t, 1.0 - optimizer.beta2**t, inside, outside]
 
 
-def _ftrl_hyperparameters(optimizer: FTRL, lr, step) -> list[jax.Array]:
+def _ftrl_hyperparameters(optimizer: FTRL, lr, step) -> list[jax.typing.ArrayLike]:
   """{gradient scale s, divisor q, power p, l1 threshold, beta, l2 term}.
 
   One kernel formula covers both forms of `FTRL.update_rule`:
@@ -270,7 +271,7 @@ class _FusedRule:
   """
 
   kernel: str
-  hyperparameters: Callable[[Any, jax.Array, jax.Array], list]
+  hyperparameters: Callable[[Any, jax.Array, jax.Array], list[jax.typing.ArrayLike]]
   slot_width: Literal["row", "element"]
 
 

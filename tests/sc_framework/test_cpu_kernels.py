@@ -134,7 +134,8 @@ MISMATCHES = {
     ),
     "adam slot rows": (
         lambda a: _elementwise(Adam(0.1), a, slot_rows=ROWS - 2, row_grads=a["row_grads"]),
-        r"sc_framework_adam_step_rows: mu has shape \[28, 4\], expected \[30, 4\] \(the table's shape\)",
+        r"sc_framework_adam_step_rows: mu has shape \[28, 4\], expected \[30, 4\]"
+        r" \(the table's shape\)",
     ),
     "adam dims": (
         lambda a: _elementwise(Adam(0.1), a, dims=a["dims"][:2]),

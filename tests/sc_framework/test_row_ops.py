@@ -263,15 +263,17 @@ def test_fused_kernels_apply_the_options_as_the_generic_rule(name, options):
   base = _FUSED_OPTIMIZERS[name]
   optimizer = dataclasses.replace(base, **_OPTION_SETS[options])
   # Every case draws its own data (table, slots, indices, gradients, step).
-  rng = np.random.default_rng([list(_FUSED_OPTIMIZERS).index(name), list(_OPTION_SETS).index(options)])
+  rng = np.random.default_rng(
+      [list(_FUSED_OPTIMIZERS).index(name), list(_OPTION_SETS).index(options)])
   num_rows, dim, count = 50, 8, 20
   row_dims = rng.choice([8, 5, 3], count).astype(np.int32)
   index = rng.choice(num_rows, count, replace=False).astype(np.int32)
   index[[3, 11]] = [-1, num_rows + 2]  # unused capacity: skipped
   table = rng.normal(size=(num_rows, dim)).astype(np.float32)
   slots = {
-      spec.name: jnp.asarray(spec.initial_value + rng.uniform(0.0, 0.5, (num_rows, spec.stacked_width(dim))),
-                             jnp.float32)
+      spec.name: jnp.asarray(
+          spec.initial_value + rng.uniform(0.0, 0.5, (num_rows, spec.stacked_width(dim))),
+          jnp.float32)
       for spec in optimizer.slots()
   }
   step = jnp.int32(rng.integers(0, 6))
