@@ -24,6 +24,7 @@
 #include <Python.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
@@ -457,6 +458,16 @@ inline const float* ClipGradient(const float* g, float* scratch, int64_t dim,
   return scratch;
 }
 
+// Step 5 of the options: clip the logical columns d < logical_dim of the
+// updated row w to [weight_min, weight_max] (padding columns keep their content).
+inline void ClipWeights(float* w, int64_t dim, int32_t logical_dim, const RowOptions& options) {
+  if (!options.clips_weights) return;
+  const int64_t logical = std::min<int64_t>(dim, logical_dim);
+  for (int64_t d = 0; d < logical; ++d) {
+    w[d] = std::min(std::max(w[d], options.weight_min), options.weight_max);
+  }
+}
+
 // Steps 3 to 5 for rules of the form w <- w - scale * g (SGD, row-wise
 // Adagrad): the step, the decay by the row before it, then the clipping of
 // the logical columns d < logical_dim. Separate loops, so each vectorises.
@@ -470,12 +481,7 @@ inline void StepRow(float* w, const float* g, int64_t dim, int32_t logical_dim, 
   } else {
     for (int64_t d = 0; d < dim; ++d) w[d] -= scale * g[d];
   }
-  if (options.clips_weights) {
-    const int64_t logical = std::min<int64_t>(dim, logical_dim);
-    for (int64_t d = 0; d < logical; ++d) {
-      w[d] = std::min(std::max(w[d], options.weight_min), options.weight_max);
-    }
-  }
+  ClipWeights(w, dim, logical_dim, options);
 }
 
 // The row rules of the built-in optimizers (sc_framework/optimizers: SGD and
@@ -517,20 +523,44 @@ struct EntryGrads {
   }
 };
 
+// The arrays whose rows a fused update reads, fetched a few indices ahead.
+struct PrefetchRows {
+  std::vector<const float*> arrays;  // each [R, width]
+  int64_t width;
+  void operator()(int64_t row) const {
+    for (const float* array : arrays) __builtin_prefetch(array + row * width);
+  }
+};
+
+// The loop of every fused update: for each index k whose row is in [0, R),
+// read the row's gradient (Grads), clip it (steps 1 and 2 of the options) and
+// hand it to update_row(k, row, g), which applies the rule and steps 4 and 5 in
+// place. Indices are split over threads; the callers' rows are distinct, so no
+// two threads write the same row.
+template <typename Grads, typename UpdateRow>
+void UpdateTouchedRows(int64_t rows, int64_t dim, const int32_t* index, int64_t count,
+                       const Grads& grads, const RowOptions& options, const PrefetchRows& prefetch,
+                       const UpdateRow& update_row) {
+  ParallelFor(count, NumThreads(count * dim), [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(dim);
+    for (int64_t k = begin; k < end; ++k) {
+      if (k + 8 < end && index[k + 8] >= 0 && index[k + 8] < rows) prefetch(index[k + 8]);
+      const int64_t row = index[k];
+      if (row < 0 || row >= rows) continue;
+      update_row(k, row, ClipGradient(grads.Get(k, scratch.data()), scratch.data(), dim, options));
+    }
+  });
+}
+
 template <typename Grads>
 void SgdUpdate(float* table, int64_t rows, int64_t dim, const int32_t* index, int64_t count,
                const Grads& grads, const int32_t* logical_dims, const float* hyper) {
   const float lr = hyper[0];
   const RowOptions options = RowOptions::From(hyper + 1);
-  ParallelFor(count, NumThreads(count * dim), [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(dim);
-    for (int64_t k = begin; k < end; ++k) {
-      const int64_t row = index[k];
-      if (row < 0 || row >= rows) continue;
-      const float* g = ClipGradient(grads.Get(k, scratch.data()), scratch.data(), dim, options);
-      SgdRow(table + row * dim, g, dim, logical_dims[k], lr, options);
-    }
-  });
+  UpdateTouchedRows(rows, dim, index, count, grads, options, PrefetchRows{{table}, dim},
+                    [&](int64_t k, int64_t row, const float* g) {
+                      SgdRow(table + row * dim, g, dim, logical_dims[k], lr, options);
+                    });
 }
 
 template <typename Grads>
@@ -539,19 +569,11 @@ void RowwiseAdagradUpdate(float* table, float* accumulator, int64_t rows, int64_
                           const int32_t* logical_dims, const float* hyper) {
   const float lr = hyper[0], eps = hyper[1];
   const RowOptions options = RowOptions::From(hyper + 2);
-  ParallelFor(count, NumThreads(count * dim), [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(dim);
-    for (int64_t k = begin; k < end; ++k) {
-      if (k + 8 < end && index[k + 8] >= 0 && index[k + 8] < rows) {
-        __builtin_prefetch(table + static_cast<int64_t>(index[k + 8]) * dim);
-      }
-      const int64_t row = index[k];
-      if (row < 0 || row >= rows) continue;
-      const float* g = ClipGradient(grads.Get(k, scratch.data()), scratch.data(), dim, options);
-      RowwiseAdagradRow(table + row * dim, accumulator + row, g, dim, logical_dims[k], lr, eps,
-                        options);
-    }
-  });
+  UpdateTouchedRows(rows, dim, index, count, grads, options, PrefetchRows{{table}, dim},
+                    [&](int64_t k, int64_t row, const float* g) {
+                      RowwiseAdagradRow(table + row * dim, accumulator + row, g, dim,
+                                        logical_dims[k], lr, eps, options);
+                    });
 }
 
 // Starts an in-place output from its input when XLA did not alias them.
@@ -674,6 +696,285 @@ ffi::Error RowwiseAdagradStepEntriesImpl(
   return ffi::Error::Success();
 }
 
+// Fused updates for the element-wise rules of the built-in Adagrad, Adam and
+// FTRL (sc_framework/optimizers) with the shared options. Their slots are
+// shaped like the table, [R, D], and each element of a touched row is updated
+// from its weight w, its clipped gradient g and its slot values alone:
+//   Adagrad  a <- a + g^2;  w <- w - lr * g / (sqrt(a) + eps)
+//   Adam     m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2;
+//            w <- w - lr * (m / c1) / (sqrt(v / c2 + eps_in) + eps_out)
+//            with c1 = 1 - b1^t, c2 = 1 - b2^t (t = step + 1) and
+//            (eps_in, eps_out) = (0, eps), or (eps^2, 0) for sum_inside_sqrt
+//   FTRL     n' = n + g^2;  z <- z + s g - (n'^p - n^p) / q * w;
+//            w <- |z| > l1 ? (sign(z) l1 - z) / ((beta + n'^p) / q + l2) : 0;  n <- n'
+//            with (s, q, l1, l2) = (1, lr, l1, 2 l2), or (lr, 1, l1 lr, 2 l2 lr)
+//            under multiply_linear_by_learning_rate
+// then the decay by the row before the step and the weight clipping (steps 4
+// and 5 of the options). The step-dependent values (lr, c1, c2, ...) arrive
+// computed in `hyper`, followed by RowOptions.
+//   <Rule>StepRows(table, slots..., index [K], grads [K, D], dims [K], hyper)
+//       -> (table, slots...)
+//   <Rule>StepEntries(table, slots..., index [K], grads [B, D], samples [E],
+//                     unique_index [E], gains [E], dims [K], hyper) -> (table, slots...)
+// A Rule names its slots, its kHyper values and its kernels; Rule::With(hyper,
+// fn) calls fn with the rule's step, which maps (w, g, the element's slot
+// values) to the new w before decay and updates the slot values in place.
+
+struct AdagradRule {
+  static constexpr int kSlots = 1;
+  static constexpr int kHyper = 2;
+  static constexpr const char* kSlotNames[kSlots] = {"accumulator"};
+  static constexpr char kHyperMeaning[] = "{learning rate, eps, row options}";
+  static constexpr char kRowsKernel[] = "sc_framework_adagrad_step_rows";
+  static constexpr char kEntriesKernel[] = "sc_framework_adagrad_step_entries";
+  template <typename Fn>
+  static void With(const float* hyper, const Fn& fn) {
+    fn(AdagradRule(hyper));
+  }
+  float lr, eps;
+  explicit AdagradRule(const float* h) : lr(h[0]), eps(h[1]) {}
+  float operator()(float w, float g, float* const* slot, int64_t d) const {
+    const float a = slot[0][d] + g * g;
+    slot[0][d] = a;
+    return w - lr * g / (std::sqrt(a) + eps);
+  }
+};
+
+struct AdamRule {
+  static constexpr int kSlots = 2;
+  static constexpr int kHyper = 9;
+  static constexpr const char* kSlotNames[kSlots] = {"mu", "nu"};
+  static constexpr char kHyperMeaning[] =
+      "{learning rate, beta1, 1 - beta1, beta2, 1 - beta2, 1 - beta1^t, 1 - beta2^t, eps inside"
+      " the root, eps outside, row options}";
+  static constexpr char kRowsKernel[] = "sc_framework_adam_step_rows";
+  static constexpr char kEntriesKernel[] = "sc_framework_adam_step_entries";
+  template <typename Fn>
+  static void With(const float* hyper, const Fn& fn) {
+    fn(AdamRule(hyper));
+  }
+  float lr, beta1, one_minus_beta1, beta2, one_minus_beta2, correction1, correction2, eps_inside,
+      eps_outside;
+  explicit AdamRule(const float* h)
+      : lr(h[0]), beta1(h[1]), one_minus_beta1(h[2]), beta2(h[3]), one_minus_beta2(h[4]),
+        correction1(h[5]), correction2(h[6]), eps_inside(h[7]), eps_outside(h[8]) {}
+  float operator()(float w, float g, float* const* slot, int64_t d) const {
+    const float m = beta1 * slot[0][d] + one_minus_beta1 * g;
+    const float v = beta2 * slot[1][d] + one_minus_beta2 * g * g;
+    slot[0][d] = m;
+    slot[1][d] = v;
+    const float m_hat = m / correction1, v_hat = v / correction2;
+    return w - lr * m_hat / (std::sqrt(v_hat + eps_inside) + eps_outside);
+  }
+};
+
+// FTRL's n^p: the correctly rounded square root for the usual p = 1/2 (a
+// loop over it vectorises), std::pow otherwise.
+struct SquareRoot {
+  explicit SquareRoot(float) {}
+  float operator()(float n) const { return std::sqrt(n); }
+};
+
+struct Power {
+  float power;
+  explicit Power(float p) : power(p) {}
+  float operator()(float n) const { return std::pow(n, power); }
+};
+
+template <typename Root>
+struct FtrlStep {
+  float gradient_scale, divisor, threshold, beta, l2_term;
+  Root root;
+  explicit FtrlStep(const float* h)
+      : gradient_scale(h[0]), divisor(h[1]), threshold(h[3]), beta(h[4]), l2_term(h[5]),
+        root(h[2]) {}
+  float operator()(float w, float g, float* const* slot, int64_t d) const {
+    const float n = slot[0][d];
+    const float n_new = n + g * g;
+    const float root_new = root(n_new), root_old = root(n);
+    const float z = slot[1][d] + gradient_scale * g - (root_new - root_old) / divisor * w;
+    slot[0][d] = n_new;
+    slot[1][d] = z;
+    const float quadratic = (beta + root_new) / divisor + l2_term;
+    // Both sides computed, then selected: a branch-free loop (|z| > threshold >= 0
+    // implies z != 0, so copysign gives sign(z) * threshold).
+    const float shrunk = (std::copysign(threshold, z) - z) / quadratic;
+    return std::fabs(z) > threshold ? shrunk : 0.0f;
+  }
+};
+
+struct FtrlRule {
+  static constexpr int kSlots = 2;
+  static constexpr int kHyper = 6;
+  static constexpr const char* kSlotNames[kSlots] = {"accumulator", "linear"};
+  static constexpr char kHyperMeaning[] =
+      "{gradient scale, divisor, power, l1 threshold, beta, l2 term, row options}";
+  static constexpr char kRowsKernel[] = "sc_framework_ftrl_step_rows";
+  static constexpr char kEntriesKernel[] = "sc_framework_ftrl_step_entries";
+  template <typename Fn>
+  static void With(const float* hyper, const Fn& fn) {
+    if (hyper[2] == 0.5f) {
+      fn(FtrlStep<SquareRoot>(hyper));
+    } else {
+      fn(FtrlStep<Power>(hyper));
+    }
+  }
+};
+
+// Steps 3 to 5 for an element-wise rule on one row w (slots: the row's slot rows).
+template <typename Rule>
+inline void ElementwiseRow(const Rule& rule, float* w, float* const* slots, const float* g,
+                           int64_t dim, int32_t logical_dim, const RowOptions& options) {
+  if (options.decays) {
+    for (int64_t d = 0; d < dim; ++d) {
+      const float old = w[d];
+      w[d] = rule(old, g[d], slots, d) - options.decay * old;
+    }
+  } else {
+    for (int64_t d = 0; d < dim; ++d) w[d] = rule(w[d], g[d], slots, d);
+  }
+  ClipWeights(w, dim, logical_dim, options);
+}
+
+template <typename Rule, typename Grads>
+void ElementwiseUpdate(float* table, const std::array<float*, Rule::kSlots>& slots, int64_t rows,
+                       int64_t dim, const int32_t* index, int64_t count, const Grads& grads,
+                       const int32_t* logical_dims, const float* hyper) {
+  const RowOptions options = RowOptions::From(hyper + Rule::kHyper);
+  PrefetchRows prefetch{{table}, dim};
+  prefetch.arrays.insert(prefetch.arrays.end(), slots.begin(), slots.end());
+  Rule::With(hyper, [&](const auto& rule) {
+    UpdateTouchedRows(rows, dim, index, count, grads, options, prefetch,
+                      [&](int64_t k, int64_t row, const float* g) {
+                        std::array<float*, Rule::kSlots> slot_rows;
+                        for (int s = 0; s < Rule::kSlots; ++s) slot_rows[s] = slots[s] + row * dim;
+                        ElementwiseRow(rule, table + row * dim, slot_rows.data(), g, dim,
+                                       logical_dims[k], options);
+                      });
+  });
+}
+
+// A slot shaped like the table [R, D], and its output.
+ffi::Error CheckSlotLikeTable(const char* kernel, const char* name, ffi::Span<const int64_t> slot,
+                              ffi::Span<const int64_t> out, ffi::Span<const int64_t> table) {
+  SC_RETURN_IF_ERROR(CheckDims(kernel, name, slot, {table[0], table[1]}, "the table's shape"));
+  return CheckDims(kernel, ("the output " + std::string(name)).c_str(), out, {table[0], table[1]},
+                   "the table's shape");
+}
+
+// The two ways a fused update receives its gradients: Check() validates them
+// against K indices and the table's width D, With(count, fn) calls fn with
+// the matching Grads.
+struct RowGradsInput {  // grads [K, D]
+  ffi::Buffer<ffi::F32> grads;
+  ffi::Error Check(const char* kernel, int64_t count, int64_t dim) const {
+    return CheckDims(kernel, "grads", grads.dimensions(), {count, dim},
+                     "[K, D]: one gradient row of the table's width per index");
+  }
+  template <typename Fn>
+  void With(int64_t, const Fn& fn) const {
+    fn(RowGrads{grads.typed_data(), grads.dimensions()[1]});
+  }
+};
+
+struct EntryGradsInput {  // grads [B, D], samples [E], unique_index [E], gains [E]
+  ffi::Buffer<ffi::F32> grads;
+  ffi::Buffer<ffi::S32> samples, unique_index;
+  ffi::Buffer<ffi::F32> gains;
+  ffi::Error Check(const char* kernel, int64_t, int64_t dim) const {
+    return CheckEntries(kernel, grads.dimensions(), dim, samples.dimensions(),
+                        unique_index.dimensions(), gains.dimensions());
+  }
+  template <typename Fn>
+  void With(int64_t count, const Fn& fn) const {
+    const EntriesByUniqueRow groups =
+        GroupByUniqueRow(samples.typed_data(), unique_index.typed_data(),
+                         unique_index.element_count(), grads.dimensions()[0], count);
+    fn(EntryGrads{&groups, grads.typed_data(), samples.typed_data(), gains.typed_data(),
+                  grads.dimensions()[1]});
+  }
+};
+
+// Checks every operand of an element-wise rule's update, then runs it in place.
+template <typename Rule, typename Input>
+ffi::Error ElementwiseStep(const char* kernel, ffi::Buffer<ffi::F32> table,
+                           const std::array<ffi::Buffer<ffi::F32>, Rule::kSlots>& slots,
+                           ffi::Buffer<ffi::S32> index, const Input& input,
+                           ffi::Buffer<ffi::S32> dims, ffi::Buffer<ffi::F32> hyper,
+                           ffi::ResultBuffer<ffi::F32> table_out,
+                           std::array<ffi::ResultBuffer<ffi::F32>, Rule::kSlots> slots_out) {
+  SC_RETURN_IF_ERROR(CheckTableAndOut(kernel, table.dimensions(), table_out->dimensions()));
+  const int64_t rows = table.dimensions()[0], dim = table.dimensions()[1];
+  const int64_t count = index.element_count();
+  for (int s = 0; s < Rule::kSlots; ++s) {
+    SC_RETURN_IF_ERROR(CheckSlotLikeTable(kernel, Rule::kSlotNames[s], slots[s].dimensions(),
+                                          slots_out[s]->dimensions(), table.dimensions()));
+  }
+  SC_RETURN_IF_ERROR(input.Check(kernel, count, dim));
+  SC_RETURN_IF_ERROR(CheckCount(kernel, "dims", dims.dimensions(), count, "one per index"));
+  SC_RETURN_IF_ERROR(CheckHyper(kernel, hyper, Rule::kHyper, Rule::kHyperMeaning));
+  CopyIfNotAliased(table_out->typed_data(), table.typed_data(), rows * dim);
+  std::array<float*, Rule::kSlots> slot_data;
+  for (int s = 0; s < Rule::kSlots; ++s) {
+    CopyIfNotAliased(slots_out[s]->typed_data(), slots[s].typed_data(), rows * dim);
+    slot_data[s] = slots_out[s]->typed_data();
+  }
+  input.With(count, [&](const auto& grads) {
+    ElementwiseUpdate<Rule>(table_out->typed_data(), slot_data, rows, dim, index.typed_data(),
+                            count, grads, dims.typed_data(), hyper.typed_data());
+  });
+  return ffi::Error::Success();
+}
+
+// The handlers' signatures, for rules with one slot (Adagrad) and two (Adam, FTRL).
+template <typename Rule>
+ffi::Error OneSlotStepRows(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::F32> slot,
+                           ffi::Buffer<ffi::S32> index, ffi::Buffer<ffi::F32> grads,
+                           ffi::Buffer<ffi::S32> dims, ffi::Buffer<ffi::F32> hyper,
+                           ffi::ResultBuffer<ffi::F32> table_out,
+                           ffi::ResultBuffer<ffi::F32> slot_out) {
+  return ElementwiseStep<Rule>(Rule::kRowsKernel, table, {slot}, index, RowGradsInput{grads}, dims,
+                               hyper, table_out, {slot_out});
+}
+
+template <typename Rule>
+ffi::Error OneSlotStepEntries(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::F32> slot,
+                              ffi::Buffer<ffi::S32> index, ffi::Buffer<ffi::F32> grads,
+                              ffi::Buffer<ffi::S32> samples, ffi::Buffer<ffi::S32> unique_index,
+                              ffi::Buffer<ffi::F32> gains, ffi::Buffer<ffi::S32> dims,
+                              ffi::Buffer<ffi::F32> hyper, ffi::ResultBuffer<ffi::F32> table_out,
+                              ffi::ResultBuffer<ffi::F32> slot_out) {
+  return ElementwiseStep<Rule>(Rule::kEntriesKernel, table, {slot}, index,
+                               EntryGradsInput{grads, samples, unique_index, gains}, dims, hyper,
+                               table_out, {slot_out});
+}
+
+template <typename Rule>
+ffi::Error TwoSlotStepRows(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::F32> first,
+                           ffi::Buffer<ffi::F32> second, ffi::Buffer<ffi::S32> index,
+                           ffi::Buffer<ffi::F32> grads, ffi::Buffer<ffi::S32> dims,
+                           ffi::Buffer<ffi::F32> hyper, ffi::ResultBuffer<ffi::F32> table_out,
+                           ffi::ResultBuffer<ffi::F32> first_out,
+                           ffi::ResultBuffer<ffi::F32> second_out) {
+  return ElementwiseStep<Rule>(Rule::kRowsKernel, table, {first, second}, index,
+                               RowGradsInput{grads}, dims, hyper, table_out,
+                               {first_out, second_out});
+}
+
+template <typename Rule>
+ffi::Error TwoSlotStepEntries(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::F32> first,
+                              ffi::Buffer<ffi::F32> second, ffi::Buffer<ffi::S32> index,
+                              ffi::Buffer<ffi::F32> grads, ffi::Buffer<ffi::S32> samples,
+                              ffi::Buffer<ffi::S32> unique_index, ffi::Buffer<ffi::F32> gains,
+                              ffi::Buffer<ffi::S32> dims, ffi::Buffer<ffi::F32> hyper,
+                              ffi::ResultBuffer<ffi::F32> table_out,
+                              ffi::ResultBuffer<ffi::F32> first_out,
+                              ffi::ResultBuffer<ffi::F32> second_out) {
+  return ElementwiseStep<Rule>(Rule::kEntriesKernel, table, {first, second}, index,
+                               EntryGradsInput{grads, samples, unique_index, gains}, dims, hyper,
+                               table_out, {first_out, second_out});
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GatherRows, GatherRowsImpl,
@@ -751,6 +1052,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RowwiseAdagradStepEntries, RowwiseAdagradStepEntri
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
+// The element-wise rules' handlers; their bindings follow the signatures.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AdagradStepRows, OneSlotStepRows<AdagradRule>);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AdagradStepEntries, OneSlotStepEntries<AdagradRule>);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AdamStepRows, TwoSlotStepRows<AdamRule>);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AdamStepEntries, TwoSlotStepEntries<AdamRule>);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FtrlStepRows, TwoSlotStepRows<FtrlRule>);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FtrlStepEntries, TwoSlotStepEntries<FtrlRule>);
+
 // The Python module: handlers() -> {name: PyCapsule} for jax.ffi.register_ffi_target.
 static PyObject* Handlers(PyObject*, PyObject*) {
   PyObject* out = PyDict_New();
@@ -767,6 +1076,12 @@ static PyObject* Handlers(PyObject*, PyObject*) {
       {"rowwise_adagrad_step_rows", reinterpret_cast<void*>(RowwiseAdagradStepRows)},
       {"sgd_step_entries", reinterpret_cast<void*>(SgdStepEntries)},
       {"rowwise_adagrad_step_entries", reinterpret_cast<void*>(RowwiseAdagradStepEntries)},
+      {"adagrad_step_rows", reinterpret_cast<void*>(AdagradStepRows)},
+      {"adagrad_step_entries", reinterpret_cast<void*>(AdagradStepEntries)},
+      {"adam_step_rows", reinterpret_cast<void*>(AdamStepRows)},
+      {"adam_step_entries", reinterpret_cast<void*>(AdamStepEntries)},
+      {"ftrl_step_rows", reinterpret_cast<void*>(FtrlStepRows)},
+      {"ftrl_step_entries", reinterpret_cast<void*>(FtrlStepEntries)},
   };
   for (const auto& entry : entries) {
     PyObject* capsule = PyCapsule_New(entry.handler, nullptr, nullptr);

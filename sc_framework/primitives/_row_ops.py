@@ -28,13 +28,13 @@ import dataclasses
 import functools
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sc_framework.optimizers import SGD, RowWiseAdagrad
+from sc_framework.optimizers import FTRL, SGD, Adagrad, Adam, OptimizerSpec, RowWiseAdagrad
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +95,8 @@ _TARGETS = {
     "rowwise_adagrad_step_rows": "sc_framework_rowwise_adagrad_step_rows",
     "sgd_step_entries": "sc_framework_sgd_step_entries",
     "rowwise_adagrad_step_entries": "sc_framework_rowwise_adagrad_step_entries",
+    **{f"{rule}_step_{variant}": f"sc_framework_{rule}_step_{variant}"
+       for rule in ("adagrad", "adam", "ftrl") for variant in ("rows", "entries")},
 }
 
 
@@ -216,45 +218,106 @@ def _option_hyperparameters(optimizer, learning_rate: jax.Array) -> jax.Array:
   ]).astype(jnp.float32)
 
 
+def _sgd_hyperparameters(optimizer: SGD, lr, step) -> list[jax.typing.ArrayLike]:
+  del optimizer, step
+  return [lr]
+
+
+def _adagrad_hyperparameters(optimizer: Adagrad | RowWiseAdagrad, lr,
+                             step) -> list[jax.typing.ArrayLike]:
+  del step
+  return [lr, jnp.float32(optimizer.eps)]
+
+
+def _adam_hyperparameters(optimizer: Adam, lr, step) -> list[jax.typing.ArrayLike]:
+  """{lr, b1, 1 - b1, b2, 1 - b2, 1 - b1^t, 1 - b2^t, eps inside the root, eps outside}.
+
+  The bias corrections are computed here as `Adam.update_rule` computes them
+  (t = step + 1 in float32); epsilon goes inside the root (squared) or
+  outside it, the other place getting 0.
+  """
+  t = (jnp.asarray(step) + 1).astype(jnp.float32)
+  epsilon = optimizer.epsilon
+  inside, outside = (epsilon * epsilon, 0.0) if optimizer.sum_inside_sqrt else (0.0, epsilon)
+  return [lr, optimizer.beta1, 1.0 - optimizer.beta1, optimizer.beta2, 1.0 - optimizer.beta2,
+          1.0 - optimizer.beta1**t, 1.0 - optimizer.beta2**t, inside, outside]
+
+
+def _ftrl_hyperparameters(optimizer: FTRL, lr, step) -> list[jax.typing.ArrayLike]:
+  """{gradient scale s, divisor q, power p, l1 threshold, beta, l2 term}.
+
+  One kernel formula covers both forms of `FTRL.update_rule`:
+    z <- z + s * g - (n'^p - n^p) / q * w
+    w <- (sign(z) * threshold - z) / ((beta + n'^p) / q + l2_term)  if |z| > threshold
+  with (s, q, threshold, l2_term) = (1, lr, l1, 2 l2), or (lr, 1, l1 lr, 2 l2 lr)
+  under multiply_linear_by_learning_rate.
+  """
+  del step
+  if optimizer.multiply_linear_by_learning_rate:
+    scale, divisor, threshold, l2_term = lr, 1.0, optimizer.l1 * lr, 2.0 * optimizer.l2 * lr
+  else:
+    scale, divisor, threshold, l2_term = 1.0, lr, optimizer.l1, 2.0 * optimizer.l2
+  return [scale, divisor, -optimizer.learning_rate_power, threshold, optimizer.beta, l2_term]
+
+
+@dataclasses.dataclass(frozen=True)
+class _FusedRule:
+  """How the kernels `sc_framework_{kernel}_step_{rows,entries}` run one optimizer.
+
+  hyperparameters(optimizer, lr, step) lists the rule's values in the order
+  the kernel reads them (`hyper` before the RowOptions); slot_width is the
+  slot width the kernel takes: "row" for one value per row [R, 1], "element"
+  for the table's shape [R, D].
+  """
+
+  kernel: str
+  hyperparameters: Callable[[Any, jax.Array, jax.Array], list[jax.typing.ArrayLike]]
+  slot_width: Literal["row", "element"]
+
+
+_FUSED_RULES: dict[type[OptimizerSpec], _FusedRule] = {
+    SGD: _FusedRule("sgd", _sgd_hyperparameters, "element"),
+    RowWiseAdagrad: _FusedRule("rowwise_adagrad", _adagrad_hyperparameters, "row"),
+    Adagrad: _FusedRule("adagrad", _adagrad_hyperparameters, "element"),
+    Adam: _FusedRule("adam", _adam_hyperparameters, "element"),
+    FTRL: _FusedRule("ftrl", _ftrl_hyperparameters, "element"),
+}
+
+
 def _kernel_fused_update(optimizer, table, slots):
-  """Fused kernels for float32 SGD and RowWiseAdagrad; None for anything else.
+  """Fused kernels for float32 SGD, RowWiseAdagrad, Adagrad, Adam and FTRL; else None.
 
   The kernels apply the rule and every shared option (gradient clipping by
   row norm and value, weight decay, weight clipping) exactly as
-  `optimizer.apply` does; see `sc_framework.optimizers._options`.
+  `optimizer.apply` does; see `sc_framework.optimizers._options`. Subclasses
+  of these optimizers (which may change the rule), other dtypes and slots of
+  another width than the kernel's take the generic path (None).
   """
-  if not _f32(table, *slots.values()) or table.ndim != 2:
+  rule = _FUSED_RULES.get(type(optimizer))
+  if rule is None or not _f32(table, *slots.values()) or table.ndim != 2:
     return None
-  if type(optimizer) is SGD:
+  names = tuple(spec.name for spec in optimizer.slots())
+  width = 1 if rule.slot_width == "row" else table.shape[1]
+  # Another slot width is another variant; a wrong row count is an error the kernel reports.
+  if set(names) != set(slots) or any(slots[n].ndim != 2 or slots[n].shape[1] != width
+                                     for n in names):
+    return None
 
-    def sgd(table, slots, rows, step, row_dims, *, row_grads=None, entries=None):
-      variant, grad_args = _gradient_args(row_grads, entries)
-      lr = optimizer.learning_rate_at(step)
-      hyper = jnp.concatenate([lr.reshape(1), _option_hyperparameters(optimizer, lr)])
-      out = jax.ShapeDtypeStruct(table.shape, table.dtype)
-      table = jax.ffi.ffi_call(_TARGETS[f"sgd_step_{variant}"], out, input_output_aliases={0: 0})(
-          table, rows.astype(jnp.int32), *grad_args, row_dims.astype(jnp.int32), hyper)
-      return table, dict(slots)
+  def update(table, slots, rows, step, row_dims, *, row_grads=None, entries=None):
+    variant, grad_args = _gradient_args(row_grads, entries)
+    lr = optimizer.learning_rate_at(step)
+    rule_values = jnp.stack([jnp.asarray(v, jnp.float32)
+                             for v in rule.hyperparameters(optimizer, lr, step)])
+    hyper = jnp.concatenate([rule_values, _option_hyperparameters(optimizer, lr)])
+    arrays = (table, *(slots[n] for n in names))
+    outs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
+    updated = jax.ffi.ffi_call(
+        _TARGETS[f"{rule.kernel}_step_{variant}"], outs,
+        input_output_aliases={i: i for i in range(len(arrays))})(
+        *arrays, rows.astype(jnp.int32), *grad_args, row_dims.astype(jnp.int32), hyper)
+    return updated[0], dict(zip(names, updated[1:]))
 
-    return sgd
-  if type(optimizer) is RowWiseAdagrad and slots["accumulator"].shape[1] == 1:
-
-    def rowwise_adagrad(table, slots, rows, step, row_dims, *, row_grads=None, entries=None):
-      variant, grad_args = _gradient_args(row_grads, entries)
-      lr = optimizer.learning_rate_at(step)
-      hyper = jnp.concatenate([jnp.stack([lr, jnp.float32(optimizer.eps)]),
-                               _option_hyperparameters(optimizer, lr)])
-      accumulator = slots["accumulator"]
-      outs = (jax.ShapeDtypeStruct(table.shape, table.dtype),
-              jax.ShapeDtypeStruct(accumulator.shape, accumulator.dtype))
-      table, accumulator = jax.ffi.ffi_call(
-          _TARGETS[f"rowwise_adagrad_step_{variant}"], outs, input_output_aliases={0: 0, 1: 1})(
-          table, accumulator, rows.astype(jnp.int32), *grad_args, row_dims.astype(jnp.int32),
-          hyper.astype(jnp.float32))
-      return table, {"accumulator": accumulator}
-
-    return rowwise_adagrad
-  return None
+  return update
 
 
 CPU_KERNEL_OPS = RowOps(

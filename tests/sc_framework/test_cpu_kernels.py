@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sc_framework.optimizers import SGD, RowWiseAdagrad
+from sc_framework.optimizers import FTRL, SGD, Adagrad, Adam, RowWiseAdagrad
 from sc_framework.primitives._row_ops import _TARGETS, CPU_KERNEL_OPS, cpu_kernels_available
 from tests.numerics import assert_same_bits
 
@@ -71,6 +71,17 @@ def _adagrad_entries(a, dims):
   return update(a["table"], slots, a["index"], 0, dims, entries=entries)
 
 
+def _elementwise(optimizer, a, *, slot_rows=ROWS, gains=None, dims=None, row_grads=None):
+  """An element-wise rule's fused update: the entries variant unless row_grads is given."""
+  slots = {spec.name: jnp.ones((slot_rows, DIM), jnp.float32) for spec in optimizer.slots()}
+  update = CPU_KERNEL_OPS.fused_update(optimizer, jnp.asarray(a["table"]), slots)
+  dims = a["dims"] if dims is None else dims
+  if row_grads is not None:
+    return update(a["table"], slots, a["index"], 0, dims, row_grads=row_grads)
+  entries = (a["grads"], a["samples"], a["unique_index"], a["gains"] if gains is None else gains)
+  return update(a["table"], slots, a["index"], 0, dims, entries=entries)
+
+
 def _direct_gather(table, index, out_shape):
   out = jax.ShapeDtypeStruct(out_shape, jnp.float32)
   return jax.ffi.ffi_call(_TARGETS["gather_rows"], out)(table, index)
@@ -116,6 +127,27 @@ MISMATCHES = {
     "adagrad dims": (
         lambda a: _adagrad_entries(a, a["dims"][:2]),
         r"sc_framework_rowwise_adagrad_step_entries: dims has shape \[2\], expected 5 elements",
+    ),
+    "adagrad (element-wise) row grads": (
+        lambda a: _elementwise(Adagrad(0.1), a, row_grads=a["row_grads"][:4]),
+        r"sc_framework_adagrad_step_rows: grads has shape \[4, 4\], expected \[5, 4\]",
+    ),
+    "adam slot rows": (
+        lambda a: _elementwise(Adam(0.1), a, slot_rows=ROWS - 2, row_grads=a["row_grads"]),
+        r"sc_framework_adam_step_rows: mu has shape \[28, 4\], expected \[30, 4\]"
+        r" \(the table's shape\)",
+    ),
+    "adam dims": (
+        lambda a: _elementwise(Adam(0.1), a, dims=a["dims"][:2]),
+        r"sc_framework_adam_step_entries: dims has shape \[2\], expected 5 elements",
+    ),
+    "ftrl entry gains": (
+        lambda a: _elementwise(FTRL(0.1), a, gains=a["gains"][:7]),
+        r"sc_framework_ftrl_step_entries: gains has shape \[7\], expected 10 elements",
+    ),
+    "ftrl slot rows": (
+        lambda a: _elementwise(FTRL(0.1), a, slot_rows=ROWS + 1),
+        r"sc_framework_ftrl_step_entries: accumulator has shape \[31, 4\], expected \[30, 4\]",
     ),
     "gather output": (
         lambda a: _direct_gather(a["table"], a["index"], (COUNT + 1, DIM)),
