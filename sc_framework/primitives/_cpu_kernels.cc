@@ -33,6 +33,7 @@
 #include <deque>
 #include <functional>
 #include <initializer_list>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <sstream>
@@ -254,6 +255,21 @@ inline void Axpy(float* out, const float* x, float a, int64_t dim) {
   for (int64_t d = 0; d < dim; ++d) out[d] += a * x[d];
 }
 
+// Prefetches the cache lines of the `count` floats at p into every cache
+// level, for reading (kWrite 0) or writing (1).
+template <int kWrite>
+inline void PrefetchFloats(const float* p, int64_t count) {
+  const char* const end = reinterpret_cast<const char*>(p + count);
+  for (const char* line = reinterpret_cast<const char*>(p); line < end; line += 64) {
+    __builtin_prefetch(line, kWrite, 3);
+  }
+  __builtin_prefetch(end - 1, kWrite, 3);
+}
+
+// How many rows ahead the row loops prefetch: enough to cover a DRAM miss
+// with a few rows in flight per thread.
+constexpr int64_t kRowsAhead = 8;
+
 ffi::Error GatherRowsImpl(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> index,
                           ffi::ResultBuffer<ffi::F32> out) {
   constexpr char kKernel[] = "sc_framework_gather_rows";
@@ -333,9 +349,9 @@ ffi::Error CombineEntriesImpl(ffi::Buffer<ffi::F32> source, ffi::Buffer<ffi::S32
     std::memset(target + begin * dim, 0, (end - begin) * dim * sizeof(float));
     const int64_t first = std::lower_bound(sample_of, sample_of + entries, begin) - sample_of;
     for (int64_t e = first; e < entries && sample_of[e] < end; ++e) {
-      if (e + 8 < entries) {
-        const int64_t ahead = rows[e + 8];
-        if (ahead >= 0 && ahead < source_rows) __builtin_prefetch(src + ahead * dim);
+      if (e + kRowsAhead < entries) {
+        const int64_t ahead = rows[e + kRowsAhead];
+        if (ahead >= 0 && ahead < source_rows) PrefetchFloats<0>(src + ahead * dim, dim);
       }
       const int64_t row = rows[e];
       if (sample_of[e] < 0 || row < 0 || row >= source_rows) continue;
@@ -345,45 +361,98 @@ ffi::Error CombineEntriesImpl(ffi::Buffer<ffi::F32> source, ffi::Buffer<ffi::S32
   return ffi::Error::Success();
 }
 
-// The entries of a batch grouped by unique row (a counting sort): the entries of
-// unique row k are order[begin_of[k] .. begin_of[k + 1]). Entries whose unique index is
-// outside [0, unique_count) or whose sample is outside [0, samples) are left out.
+// The valid entries of a batch grouped by unique row (a stable counting sort):
+// unique row k's entries are positions begin_of[k] .. begin_of[k + 1) of
+// sample and gain, in ascending entry order whatever the thread count, so
+// every sum over them has a fixed order. Entries whose unique index is outside
+// [0, unique_count) or whose sample is outside [0, samples) are left out.
 struct EntriesByUniqueRow {
-  std::vector<int64_t> begin_of;
-  std::vector<int32_t> order;
+  std::unique_ptr<int32_t[]> begin_of;  // [K + 1]
+  std::unique_ptr<int32_t[]> sample;    // [E] (the first begin_of[K] are used)
+  std::unique_ptr<float[]> gain;        // [E]
 };
 
+// The sort runs in parts that own contiguous ranges of unique rows: each part
+// scans all entries (sequential reads) and counts, then places, only the
+// entries of its own rows, so no two parts write the same position and no
+// per-part histogram is needed. Needs E < 2^31 (GroupingCheck).
 EntriesByUniqueRow GroupByUniqueRow(const int32_t* sample_of, const int32_t* unique_of,
-                                    int64_t entries, int64_t samples, int64_t unique_count) {
-  EntriesByUniqueRow groups{std::vector<int64_t>(unique_count + 1, 0), {}};
-  auto valid = [&](int64_t e) {
-    return unique_of[e] >= 0 && unique_of[e] < unique_count && sample_of[e] >= 0 &&
-           sample_of[e] < samples;
+                                    const float* gain_of, int64_t entries, int64_t samples,
+                                    int64_t unique_count) {
+  EntriesByUniqueRow groups{std::unique_ptr<int32_t[]>(new int32_t[unique_count + 1]),
+                            std::unique_ptr<int32_t[]>(new int32_t[std::max<int64_t>(entries, 1)]),
+                            std::unique_ptr<float[]>(new float[std::max<int64_t>(entries, 1)])};
+  int32_t* begin_of = groups.begin_of.get();
+  begin_of[0] = 0;
+  const int parts = static_cast<int>(
+      std::min<int64_t>(std::max<int64_t>(unique_count, 1), NumThreads(entries + unique_count)));
+  const int64_t step = (unique_count + parts - 1) / parts;
+  std::vector<int64_t> part_total(parts + 1, 0);
+  auto each_part = [&](auto&& body) {
+    ParallelFor(parts, parts, [&](int64_t first, int64_t last) {
+      for (int64_t part = first; part < last; ++part) {
+        body(part, std::min(unique_count, part * step), std::min(unique_count, (part + 1) * step));
+      }
+    });
   };
-  for (int64_t e = 0; e < entries; ++e) {
-    if (valid(e)) ++groups.begin_of[unique_of[e] + 1];
-  }
-  for (int64_t k = 0; k < unique_count; ++k) groups.begin_of[k + 1] += groups.begin_of[k];
-  groups.order.resize(groups.begin_of[unique_count]);
-  std::vector<int64_t> next(groups.begin_of.begin(), groups.begin_of.end() - 1);
-  for (int64_t e = 0; e < entries; ++e) {
-    if (valid(e)) groups.order[next[unique_of[e]]++] = static_cast<int32_t>(e);
-  }
+  // Pass 1: begin_of[k + 1] = the count of unique row k.
+  each_part([&](int64_t part, int64_t lo, int64_t hi) {
+    std::fill(begin_of + lo + 1, begin_of + hi + 1, 0);
+    int64_t total = 0;
+    for (int64_t e = 0; e < entries; ++e) {
+      const int64_t k = unique_of[e];
+      if (k < lo || k >= hi || sample_of[e] < 0 || sample_of[e] >= samples) continue;
+      ++begin_of[k + 1];
+      ++total;
+    }
+    part_total[part + 1] = total;
+  });
+  for (int part = 0; part < parts; ++part) part_total[part + 1] += part_total[part];
+  // Pass 2: begin_of[k + 1] = the start of row k, then placing each entry
+  // advances it to the end of row k, i.e. the start of row k + 1.
+  each_part([&](int64_t part, int64_t lo, int64_t hi) {
+    int64_t running = part_total[part];
+    for (int64_t k = lo; k < hi; ++k) {
+      const int64_t count = begin_of[k + 1];
+      begin_of[k + 1] = static_cast<int32_t>(running);
+      running += count;
+    }
+    for (int64_t e = 0; e < entries; ++e) {
+      const int64_t k = unique_of[e];
+      if (k < lo || k >= hi || sample_of[e] < 0 || sample_of[e] >= samples) continue;
+      const int32_t at = begin_of[k + 1]++;
+      groups.sample[at] = sample_of[e];
+      groups.gain[at] = gain_of[e];
+    }
+  });
   return groups;
+}
+
+// The grouping stores positions as int32: at most 2^31 - 1 entries.
+ffi::Error GroupingCheck(const char* kernel, ffi::Span<const int64_t> unique_index) {
+  int64_t entries = 1;
+  for (int64_t d : unique_index) entries *= d;
+  if (entries <= std::numeric_limits<int32_t>::max()) return ffi::Error::Success();
+  return ShapeError(kernel, "unique_index", unique_index,
+                    "at most 2^31 - 1 entries; split the batch into smaller steps");
 }
 
 // row = sum over the entries of unique row k of gain[e] * grad[sample[e]].
 inline void UniqueRowGradient(const EntriesByUniqueRow& groups, int64_t k, const float* grad,
-                              const int32_t* sample_of, const float* gain, int64_t dim,
-                              float* row) {
+                              int64_t dim, float* row) {
   std::memset(row, 0, dim * sizeof(float));
   const int64_t stop = groups.begin_of[k + 1];
   for (int64_t i = groups.begin_of[k]; i < stop; ++i) {
-    if (i + 4 < stop) {
-      __builtin_prefetch(grad + static_cast<int64_t>(sample_of[groups.order[i + 4]]) * dim);
-    }
-    const int64_t e = groups.order[i];
-    Axpy(row, grad + static_cast<int64_t>(sample_of[e]) * dim, gain[e], dim);
+    Axpy(row, grad + static_cast<int64_t>(groups.sample[i]) * dim, groups.gain[i], dim);
+  }
+}
+
+// Prefetches the gradient rows that UniqueRowGradient(k) reads.
+inline void PrefetchUniqueRowGradient(const EntriesByUniqueRow& groups, int64_t k,
+                                      const float* grad, int64_t dim) {
+  const int64_t stop = groups.begin_of[k + 1];
+  for (int64_t i = groups.begin_of[k]; i < stop; ++i) {
+    PrefetchFloats<0>(grad + static_cast<int64_t>(groups.sample[i]) * dim, dim);
   }
 }
 
@@ -403,13 +472,16 @@ ffi::Error SegmentGradsImpl(ffi::Buffer<ffi::F32> grads, ffi::Buffer<ffi::S32> e
   const int64_t dim = grads.dimensions()[1];
   const int64_t unique_count = out->dimensions()[0];
   const int64_t entries = entry_unique_index.element_count();
-  const EntriesByUniqueRow groups = GroupByUniqueRow(
-      entry_samples.typed_data(), entry_unique_index.typed_data(), entries, samples, unique_count);
+  SC_RETURN_IF_ERROR(GroupingCheck(kKernel, entry_unique_index.dimensions()));
+  const EntriesByUniqueRow groups =
+      GroupByUniqueRow(entry_samples.typed_data(), entry_unique_index.typed_data(),
+                       gains.typed_data(), entries, samples, unique_count);
+  const float* grad = grads.typed_data();
   float* target = out->typed_data();
   ParallelFor(unique_count, NumThreads(entries * dim), [&](int64_t begin, int64_t end) {
     for (int64_t k = begin; k < end; ++k) {
-      UniqueRowGradient(groups, k, grads.typed_data(), entry_samples.typed_data(),
-                        gains.typed_data(), dim, target + k * dim);
+      if (k + kRowsAhead < end) PrefetchUniqueRowGradient(groups, k + kRowsAhead, grad, dim);
+      UniqueRowGradient(groups, k, grad, dim, target + k * dim);
     }
   });
   return ffi::Error::Success();
@@ -431,6 +503,20 @@ struct RowOptions {
   }
 };
 
+// sum_d g[d]^2 in eight partial sums: a reduction the compiler can vectorise
+// (a single running sum is a chain of dependent adds).
+inline float SquaredNorm(const float* g, int64_t dim) {
+  float partial[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  int64_t d = 0;
+  for (; d + 8 <= dim; d += 8) {
+    for (int j = 0; j < 8; ++j) partial[j] += g[d + j] * g[d + j];
+  }
+  for (; d < dim; ++d) partial[0] += g[d] * g[d];
+  float square = 0.0f;
+  for (int j = 0; j < 8; ++j) square += partial[j];
+  return square;
+}
+
 // Steps 1 and 2 of the options: g <- clip(g * min(1, c / ||g||), lo, hi),
 // written into `scratch` (g may already be `scratch`). Returns the clipped g.
 inline const float* ClipGradient(const float* g, float* scratch, int64_t dim,
@@ -440,16 +526,7 @@ inline const float* ClipGradient(const float* g, float* scratch, int64_t dim,
   if (!by_norm && !by_value) return g;
   float scale = 1.0f;
   if (by_norm) {
-    // Eight partial sums: a reduction the compiler can vectorise.
-    float partial[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    int64_t d = 0;
-    for (; d + 8 <= dim; d += 8) {
-      for (int j = 0; j < 8; ++j) partial[j] += g[d + j] * g[d + j];
-    }
-    for (; d < dim; ++d) partial[0] += g[d] * g[d];
-    float square = 0.0f;
-    for (int j = 0; j < 8; ++j) square += partial[j];
-    const float norm = std::sqrt(square);
+    const float norm = std::sqrt(SquaredNorm(g, dim));
     scale = options.row_clipnorm / std::max(norm, options.row_clipnorm);
   }
   for (int64_t d = 0; d < dim; ++d) {
@@ -495,9 +572,7 @@ inline void SgdRow(float* w, const float* g, int64_t dim, int32_t logical_dim, f
 inline void RowwiseAdagradRow(float* w, float* accumulator, const float* g, int64_t dim,
                               int32_t logical_dim, float lr, float eps,
                               const RowOptions& options) {
-  float square = 0.0f;
-  for (int64_t d = 0; d < dim; ++d) square += g[d] * g[d];
-  const float a = *accumulator + square / static_cast<float>(logical_dim);
+  const float a = *accumulator + SquaredNorm(g, dim) / static_cast<float>(logical_dim);
   *accumulator = a;
   StepRow(w, g, dim, logical_dim, lr / (std::sqrt(a) + eps), options);
 }
@@ -509,45 +584,42 @@ struct RowGrads {
   const float* grads;
   int64_t dim;
   const float* Get(int64_t k, float*) const { return grads + k * dim; }
+  void Prefetch(int64_t) const {}  // read in order: the hardware prefetches
 };
 
 struct EntryGrads {
   const EntriesByUniqueRow* groups;
   const float* grad;
-  const int32_t* sample_of;
-  const float* gain;
   int64_t dim;
   const float* Get(int64_t k, float* scratch) const {
-    UniqueRowGradient(*groups, k, grad, sample_of, gain, dim, scratch);
+    UniqueRowGradient(*groups, k, grad, dim, scratch);
     return scratch;
   }
+  void Prefetch(int64_t k) const { PrefetchUniqueRowGradient(*groups, k, grad, dim); }
 };
 
-// The arrays whose rows a fused update reads, fetched a few indices ahead.
-struct PrefetchRows {
-  std::vector<const float*> arrays;  // each [R, width]
-  int64_t width;
-  void operator()(int64_t row) const {
-    for (const float* array : arrays) __builtin_prefetch(array + row * width);
-  }
-};
-
-// The loop of every fused update: for each index k whose row is in [0, R),
-// read the row's gradient (Grads), clip it (steps 1 and 2 of the options) and
-// hand it to update_row(k, row, g), which applies the rule and steps 4 and 5 in
-// place. Indices are split over threads; the callers' rows are distinct, so no
-// two threads write the same row.
-template <typename Grads, typename UpdateRow>
-void UpdateTouchedRows(int64_t rows, int64_t dim, const int32_t* index, int64_t count,
-                       const Grads& grads, const RowOptions& options, const PrefetchRows& prefetch,
-                       const UpdateRow& update_row) {
+// Runs update(k, row, g) for every index k whose row index[k] is in [0, R),
+// with g the row's clipped gradient, over contiguous parts of [0, K) in
+// parallel. It prefetches kRowsAhead rows ahead: the table row (for writing),
+// the gradient's inputs, and what prefetch_state(row) asks for.
+template <typename Grads, typename PrefetchState, typename Update>
+void ForEachTouchedRow(float* table, int64_t rows, int64_t dim, const int32_t* index,
+                       int64_t count, const Grads& grads, const RowOptions& options,
+                       const PrefetchState& prefetch_state, const Update& update) {
   ParallelFor(count, NumThreads(count * dim), [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(dim);
     for (int64_t k = begin; k < end; ++k) {
-      if (k + 8 < end && index[k + 8] >= 0 && index[k + 8] < rows) prefetch(index[k + 8]);
+      if (k + kRowsAhead < end) {
+        const int64_t ahead = index[k + kRowsAhead];
+        if (ahead >= 0 && ahead < rows) {
+          PrefetchFloats<1>(table + ahead * dim, dim);
+          prefetch_state(ahead);
+          grads.Prefetch(k + kRowsAhead);
+        }
+      }
       const int64_t row = index[k];
       if (row < 0 || row >= rows) continue;
-      update_row(k, row, ClipGradient(grads.Get(k, scratch.data()), scratch.data(), dim, options));
+      update(k, row, ClipGradient(grads.Get(k, scratch.data()), scratch.data(), dim, options));
     }
   });
 }
@@ -557,10 +629,11 @@ void SgdUpdate(float* table, int64_t rows, int64_t dim, const int32_t* index, in
                const Grads& grads, const int32_t* logical_dims, const float* hyper) {
   const float lr = hyper[0];
   const RowOptions options = RowOptions::From(hyper + 1);
-  UpdateTouchedRows(rows, dim, index, count, grads, options, PrefetchRows{{table}, dim},
-                    [&](int64_t k, int64_t row, const float* g) {
-                      SgdRow(table + row * dim, g, dim, logical_dims[k], lr, options);
-                    });
+  ForEachTouchedRow(
+      table, rows, dim, index, count, grads, options, [](int64_t) {},
+      [&](int64_t k, int64_t row, const float* g) {
+        SgdRow(table + row * dim, g, dim, logical_dims[k], lr, options);
+      });
 }
 
 template <typename Grads>
@@ -569,11 +642,13 @@ void RowwiseAdagradUpdate(float* table, float* accumulator, int64_t rows, int64_
                           const int32_t* logical_dims, const float* hyper) {
   const float lr = hyper[0], eps = hyper[1];
   const RowOptions options = RowOptions::From(hyper + 2);
-  UpdateTouchedRows(rows, dim, index, count, grads, options, PrefetchRows{{table}, dim},
-                    [&](int64_t k, int64_t row, const float* g) {
-                      RowwiseAdagradRow(table + row * dim, accumulator + row, g, dim,
-                                        logical_dims[k], lr, eps, options);
-                    });
+  ForEachTouchedRow(
+      table, rows, dim, index, count, grads, options,
+      [&](int64_t row) { __builtin_prefetch(accumulator + row, 1, 3); },
+      [&](int64_t k, int64_t row, const float* g) {
+        RowwiseAdagradRow(table + row * dim, accumulator + row, g, dim, logical_dims[k], lr, eps,
+                          options);
+      });
 }
 
 // Starts an in-place output from its input when XLA did not alias them.
@@ -634,13 +709,14 @@ ffi::Error SgdStepEntriesImpl(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32>
                                   entry_unique_index.dimensions(), gains.dimensions()));
   SC_RETURN_IF_ERROR(CheckCount(kKernel, "dims", dims.dimensions(), count, "one per index"));
   SC_RETURN_IF_ERROR(CheckHyper(kKernel, hyper, 1, "{learning rate, row options}"));
+  SC_RETURN_IF_ERROR(GroupingCheck(kKernel, entry_unique_index.dimensions()));
   CopyIfNotAliased(out->typed_data(), table.typed_data(), rows * dim);
   const EntriesByUniqueRow groups =
       GroupByUniqueRow(entry_samples.typed_data(), entry_unique_index.typed_data(),
-                       entry_unique_index.element_count(), grads.dimensions()[0], count);
+                       gains.typed_data(), entry_unique_index.element_count(),
+                       grads.dimensions()[0], count);
   SgdUpdate(out->typed_data(), rows, dim, index.typed_data(), count,
-            EntryGrads{&groups, grads.typed_data(), entry_samples.typed_data(),
-                       gains.typed_data(), dim},
+            EntryGrads{&groups, grads.typed_data(), dim},
             dims.typed_data(), hyper.typed_data());
   return ffi::Error::Success();
 }
@@ -683,15 +759,16 @@ ffi::Error RowwiseAdagradStepEntriesImpl(
                                   entry_unique_index.dimensions(), gains.dimensions()));
   SC_RETURN_IF_ERROR(CheckCount(kKernel, "dims", dims.dimensions(), count, "one per index"));
   SC_RETURN_IF_ERROR(CheckHyper(kKernel, hyper, 2, "{learning rate, eps, row options}"));
+  SC_RETURN_IF_ERROR(GroupingCheck(kKernel, entry_unique_index.dimensions()));
   CopyIfNotAliased(table_out->typed_data(), table.typed_data(), rows * dim);
   CopyIfNotAliased(accumulator_out->typed_data(), accumulator.typed_data(), rows);
   const EntriesByUniqueRow groups =
       GroupByUniqueRow(entry_samples.typed_data(), entry_unique_index.typed_data(),
-                       entry_unique_index.element_count(), grads.dimensions()[0], count);
+                       gains.typed_data(), entry_unique_index.element_count(),
+                       grads.dimensions()[0], count);
   RowwiseAdagradUpdate(table_out->typed_data(), accumulator_out->typed_data(), rows, dim,
                        index.typed_data(), count,
-                       EntryGrads{&groups, grads.typed_data(), entry_samples.typed_data(),
-                                  gains.typed_data(), dim},
+                       EntryGrads{&groups, grads.typed_data(), dim},
                        dims.typed_data(), hyper.typed_data());
   return ffi::Error::Success();
 }
@@ -841,16 +918,18 @@ void ElementwiseUpdate(float* table, const std::array<float*, Rule::kSlots>& slo
                        int64_t dim, const int32_t* index, int64_t count, const Grads& grads,
                        const int32_t* logical_dims, const float* hyper) {
   const RowOptions options = RowOptions::From(hyper + Rule::kHyper);
-  PrefetchRows prefetch{{table}, dim};
-  prefetch.arrays.insert(prefetch.arrays.end(), slots.begin(), slots.end());
   Rule::With(hyper, [&](const auto& rule) {
-    UpdateTouchedRows(rows, dim, index, count, grads, options, prefetch,
-                      [&](int64_t k, int64_t row, const float* g) {
-                        std::array<float*, Rule::kSlots> slot_rows;
-                        for (int s = 0; s < Rule::kSlots; ++s) slot_rows[s] = slots[s] + row * dim;
-                        ElementwiseRow(rule, table + row * dim, slot_rows.data(), g, dim,
-                                       logical_dims[k], options);
-                      });
+    ForEachTouchedRow(
+        table, rows, dim, index, count, grads, options,
+        [&](int64_t row) {
+          for (float* slot : slots) PrefetchFloats<1>(slot + row * dim, dim);
+        },
+        [&](int64_t k, int64_t row, const float* g) {
+          std::array<float*, Rule::kSlots> slot_rows;
+          for (int s = 0; s < Rule::kSlots; ++s) slot_rows[s] = slots[s] + row * dim;
+          ElementwiseRow(rule, table + row * dim, slot_rows.data(), g, dim, logical_dims[k],
+                         options);
+        });
   });
 }
 
@@ -882,16 +961,16 @@ struct EntryGradsInput {  // grads [B, D], samples [E], unique_index [E], gains 
   ffi::Buffer<ffi::S32> samples, unique_index;
   ffi::Buffer<ffi::F32> gains;
   ffi::Error Check(const char* kernel, int64_t, int64_t dim) const {
-    return CheckEntries(kernel, grads.dimensions(), dim, samples.dimensions(),
-                        unique_index.dimensions(), gains.dimensions());
+    SC_RETURN_IF_ERROR(CheckEntries(kernel, grads.dimensions(), dim, samples.dimensions(),
+                                    unique_index.dimensions(), gains.dimensions()));
+    return GroupingCheck(kernel, unique_index.dimensions());
   }
   template <typename Fn>
   void With(int64_t count, const Fn& fn) const {
     const EntriesByUniqueRow groups =
-        GroupByUniqueRow(samples.typed_data(), unique_index.typed_data(),
+        GroupByUniqueRow(samples.typed_data(), unique_index.typed_data(), gains.typed_data(),
                          unique_index.element_count(), grads.dimensions()[0], count);
-    fn(EntryGrads{&groups, grads.typed_data(), samples.typed_data(), gains.typed_data(),
-                  grads.dimensions()[1]});
+    fn(EntryGrads{&groups, grads.typed_data(), grads.dimensions()[1]});
   }
 };
 

@@ -53,10 +53,19 @@ def _data(seed, rows=300, dim=7, count=120, samples=40, entries=400):
   return table, index, entry_rows, entry_samples, gains, unique_index, grads
 
 
+# Sizes of `_data`: "threaded" is above the C++ kernels' threading threshold
+# (2^14 elements touched), so their parallel grouping and row loops run.
+_SIZES = {
+    "small": {},
+    "threaded": dict(rows=6000, dim=8, count=4000, samples=700, entries=20000),
+}
+
+
 @pytest.mark.parametrize("ops", OPS, ids=OPS_IDS)
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_row_ops_match_numpy(ops, seed):
-  table, index, entry_rows, entry_samples, gains, unique_index, grads = _data(seed)
+@pytest.mark.parametrize("size", list(_SIZES))
+def test_row_ops_match_numpy(ops, seed, size):
+  table, index, entry_rows, entry_samples, gains, unique_index, grads = _data(seed, **_SIZES[size])
   rows, dim = table.shape
   valid = (index >= 0) & (index < rows)
 
@@ -253,6 +262,49 @@ _FUSED_OPTIMIZERS = {
     "ftrl_power_linear_by_lr": FTRL(0.1, learning_rate_power=-0.3, l1=0.02, l2=0.05,
                                     multiply_linear_by_learning_rate=True),
 }
+
+
+@pytest.mark.skipif(not cpu_kernels_available(), reason="the C++ CPU kernels were not built")
+@pytest.mark.parametrize("optimizer", [SGD(0.3), RowWiseAdagrad(0.2, eps=1e-3)], ids=lambda o: o.kind)
+def test_fused_entries_variant_sums_as_segment_grads(optimizer):
+  """Above the threading threshold, with entries to skip: the entries variant
+  sums each row's entries in segment_grads' order, so it equals the rows
+  variant fed segment_grads' output bit for bit; both match the generic rule."""
+  table, index, _, entry_samples, gains, unique_index, grads = _data(3, **_SIZES["threaded"])
+  unique_index[::97] = len(index) + 5  # outside the unique rows: skipped
+  row_dims = jnp.full(index.shape, table.shape[1], jnp.int32)
+  slots = ({"accumulator": jnp.asarray(np.random.default_rng(4).uniform(0, 1, (len(table), 1)),
+                                       jnp.float32)} if optimizer.slots() else {})
+  fused = CPU_KERNEL_OPS.fused_update(optimizer, jnp.asarray(table), slots)
+  step = jnp.int32(2)
+  summed = jax.jit(CPU_KERNEL_OPS.segment_grads, static_argnums=4)(
+      grads, entry_samples, unique_index, gains, len(index))
+  by_entries = jax.jit(lambda t, s: fused(t, s, jnp.asarray(index), step, row_dims,
+                                          entries=(grads, entry_samples, unique_index, gains)))(
+      jnp.asarray(table), slots)
+  by_rows = jax.jit(lambda t, s: fused(t, s, jnp.asarray(index), step, row_dims,
+                                       row_grads=summed))(jnp.asarray(table), slots)
+  assert_same_bits(by_entries[0], by_rows[0])
+  for k in slots:
+    assert_same_bits(by_entries[1][k], by_rows[1][k])
+
+  valid = (index >= 0) & (index < len(table))
+  rows = index[valid]
+  reference = np.zeros((len(index), table.shape[1]), np.float64)
+  for sample, unique, gain in zip(entry_samples, unique_index, gains):
+    if sample < grads.shape[0] and unique < len(index):
+      reference[unique] += gain * grads[sample]
+  new_rows, new_slots = optimizer.apply(
+      table[rows], reference[valid].astype(np.float32),
+      {k: np.asarray(v)[rows] for k, v in slots.items()}, step, np.asarray(row_dims)[valid])
+  want = table.copy()
+  want[rows] = new_rows
+  terms = table.shape[1] * int(np.bincount(unique_index).max())
+  assert_close(by_entries[0], want, terms=terms)
+  for k in slots:
+    want_slot = np.asarray(slots[k]).copy()
+    want_slot[rows] = new_slots[k]
+    assert_close(by_entries[1][k], want_slot, terms=terms)
 
 
 @pytest.mark.skipif(not cpu_kernels_available(), reason="the C++ CPU kernels were not built")
