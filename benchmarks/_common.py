@@ -19,9 +19,17 @@ from typing import Any
 
 
 def parse_args(description: str, *, repeats: int = 10, quick_repeats: int = 3,
-               argv: Sequence[str] | None = None) -> argparse.Namespace:
-  """Parses the common flags; `args.repeats` already accounts for --quick."""
+               argv: Sequence[str] | None = None,
+               choices: Mapping[str, Sequence[str]] | None = None) -> argparse.Namespace:
+  """Parses the common flags; `args.repeats` already accounts for --quick.
+
+  `choices` adds a flag --NAME per entry, taking one of its values (the first
+  is the default).
+  """
   parser = argparse.ArgumentParser(description=description)
+  for name, values in (choices or {}).items():
+    parser.add_argument(f"--{name}", choices=tuple(values), default=values[0],
+                        help=f"one of {', '.join(values)} (default {values[0]})")
   parser.add_argument("--quick", action="store_true", help="a short run (under a minute)")
   parser.add_argument("--repeats", type=int, default=None,
                       help=f"timed runs per case (default {repeats}, {quick_repeats} with --quick)")

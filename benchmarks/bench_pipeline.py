@@ -1,135 +1,306 @@
-"""Training throughput of the DLRM example: pipelining on vs off, and stages.
+"""Training throughput with pipelining on vs off, and the stage times of a step.
 
-Runs the Trainer on the synthetic Criteo-like data of examples/dlrm.py with
-pipelining on and off (same run, same data), and times each stage of a step
-alone on the same batches: host preprocessing, embedding lookup, dense
-forward/backward (+ optax), and the sparse update. Overlap efficiency is the
-sum of the stage times divided by the pipelined step time: above 1 means
-stages overlap.
+Runs the Trainer with pipelining on and off on the same batches and times
+each stage of a step alone on those batches: host preprocessing, embedding
+lookup, dense forward/backward (+ optax) and the sparse update. Configurations
+(`--config`, default all):
 
-Run: python benchmarks/bench_pipeline.py [--quick] [--json PATH]
+  dlrm      the DLRM example (examples/dlrm.py): 26 Zipf-distributed features
+            of about 285k rows in all, dim 16, interaction + MLPs; the dense
+            step dominates.
+  tables26  26 tables x 100,000 rows x 64, batch 4,096, 1-20 uniform ids per
+            sample, sum combiner, row-wise Adagrad, a small dense MLP: sparse
+            and dense work are comparable.
+
+Throughput: the two Trainers fit alternately, a few steps each per round, so
+a load change on a shared machine hits both alike; a step's time is the
+median interval between consecutive `on_step_end` calls (steady state: no
+compile, prime or drain). Stage times are medians of repeated runs, in
+wall-clock and in process CPU time (all threads).
+
+Bounds printed with the stages: a synchronous step runs lookup, dense step
+and update one after the other (host preprocessing runs on the prefetch
+thread in both modes), so sync >= lookup + dense + update. A pipelined step
+can overlap them, but no stage is split: pipelined >= largest stage, so
+sync / largest stage bounds the ratio. The stages and the preprocessing also
+need their CPU time on the machine's cores, which estimates a tighter bound,
+  pipelined >~ max(largest stage, sum of stage CPU times / cores),
+an estimate only: a stage's CPU time includes its idle threads' spinning.
+
+Run: python benchmarks/bench_pipeline.py [--quick] [--config NAME] [--json PATH]
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import statistics
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from flax import linen as nn  # noqa: E402
 
 from benchmarks._common import machine_info, parse_args, print_table, time_median  # noqa: E402
 from examples import dlrm  # noqa: E402
-from pipelining import Trainer  # noqa: E402
+from pipelining import Callback, Trainer  # noqa: E402
 from pipelining._model import as_dense_model  # noqa: E402
+from sc_framework import FeatureSpec, TableSpec  # noqa: E402
+from sc_framework.optimizers import RowWiseAdagrad  # noqa: E402
 from sc_framework.preprocessing import collect_stats, size_limits_from_stats  # noqa: E402
 from sc_framework.primitives import apply_embedding_gradients, embedding_lookup  # noqa: E402
 from sc_framework.stacking import auto_stack_tables  # noqa: E402
 
 
-def make_trainer(specs, embedding_dim, pipelining):
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One benchmark configuration: features, dense model, loss and its batches.
+
+  Attributes:
+    name: the --config name.
+    title: one line describing it.
+    specs: the features (size limits already set from the data).
+    model: the dense Linen model, model(activations, dense) -> predictions.
+    loss_fn: (predictions, labels) -> scalar loss.
+    batches: raw batches; the timed ones cycle through them.
+    steps_per_round: timed steps per fit: each mode fits steps_per_round + 1
+      batches per round (its first step and the drain are not timed).
+    rounds: timed rounds (after one warm-up round).
+  """
+
+  name: str
+  title: str
+  specs: list[FeatureSpec]
+  model: Any
+  loss_fn: Callable[..., Any]
+  batches: list[dict[str, Any]]
+  steps_per_round: int
+  rounds: int
+
+
+def with_limits(specs: list[FeatureSpec], batches: list[dict[str, Any]]) -> list[FeatureSpec]:
+  """The specs with partition limits from the batches' statistics (30% headroom)."""
+  layout = auto_stack_tables(specs, jax.device_count())
+  stats = collect_stats([b["sparse"] for b in batches], specs, layout, padding_id=-1)
+  return list(size_limits_from_stats(specs, stats, headroom=1.3))
+
+
+def dlrm_case(quick: bool) -> Case:
+  batch_size, embedding_dim = (1024, 16) if quick else (2048, 16)
+  source = dlrm.SyntheticCriteo(batch_size)
+  batches = [source.batch(i) for i in range(16)]
+  specs = with_limits(dlrm.build_feature_specs(batch_size, embedding_dim, 1.0), batches[:8])
   model = dlrm.build_model(embedding_dim, tuple(s.name for s in specs))
-  return Trainer(model, specs, dlrm.bce_loss, optax.adam(1e-3), pipelining=pipelining,
+  return Case("dlrm", f"DLRM, batch {batch_size}, 26 tables (285k rows), dim {embedding_dim}",
+              specs, model, dlrm.bce_loss, batches, steps_per_round=6 if quick else 12,
+              rounds=5 if quick else 10)
+
+
+class SmallMLP(nn.Module):
+  """concat(activations..., dense) -> Dense(hidden) -> relu -> Dense(1)."""
+
+  names: tuple[str, ...]
+  hidden: int
+
+  @nn.compact
+  def __call__(self, activations, dense):
+    x = jnp.concatenate([activations[name] for name in self.names] + [dense], axis=1)
+    return nn.Dense(1)(nn.relu(nn.Dense(self.hidden)(x)))[:, 0]
+
+
+TABLES, ROWS, DIM, MAX_IDS, HIDDEN = 26, 100_000, 64, 20, 128
+
+
+def uniform_batch(index: int, batch_size: int) -> dict[str, Any]:
+  """Batch `index`: per sample and feature 1-20 ids uniform in [0, ROWS), padded with -1."""
+  rng = np.random.default_rng([7, index])
+  sparse = {}
+  for t in range(TABLES):
+    ids = rng.integers(0, ROWS, size=(batch_size, MAX_IDS), dtype=np.int32)
+    lengths = rng.integers(1, MAX_IDS + 1, size=batch_size)
+    ids[np.arange(MAX_IDS)[None, :] >= lengths[:, None]] = -1
+    sparse[f"f{t}"] = ids
+  dense = rng.standard_normal((batch_size, 13), dtype=np.float32)
+  labels = (rng.uniform(size=batch_size) < 0.5).astype(np.float32)
+  return {"sparse": sparse, "dense": dense, "labels": labels}
+
+
+def tables26_case(quick: bool) -> Case:
+  batch_size = 4096
+  batches = [uniform_batch(i, batch_size) for i in range(3 if quick else 6)]
+  optimizer = RowWiseAdagrad(0.05)
+  specs = [FeatureSpec(f"f{t}", TableSpec(f"t{t}", ROWS, DIM, optimizer=optimizer,
+                                          combiner="sum"), (batch_size, MAX_IDS))
+           for t in range(TABLES)]
+  specs = with_limits(specs, batches)
+  model = SmallMLP(tuple(s.name for s in specs), hidden=HIDDEN)
+  return Case("tables26", f"{TABLES} tables x {ROWS:,} x {DIM}, batch {batch_size}, 1-{MAX_IDS}"
+              f" uniform ids/sample, sum, row-wise Adagrad, MLP {TABLES * DIM + 13}-{HIDDEN}-1",
+              specs, model, dlrm.bce_loss, batches, steps_per_round=3 if quick else 4,
+              rounds=2 if quick else 5)
+
+
+CASES = {"dlrm": dlrm_case, "tables26": tables26_case}
+
+
+def make_trainer(case: Case, pipelining: bool) -> Trainer:
+  return Trainer(case.model, case.specs, case.loss_fn, optax.adam(1e-3), pipelining=pipelining,
                  padding_id=-1, progress="off")
 
 
-def throughput(specs, embedding_dim, data, steps, warmup):
-  """Examples/s of fit over `steps` batches after `warmup` compiled steps."""
+class StepTimes(Callback):
+  """Records the duration of every step of a fit but its first and last.
+
+  `intervals` holds the times between consecutive step ends, without the
+  last one: a pipelined fit ends with the drain (an update without a
+  lookup), which is not a steady-state step.
+  """
+
+  def __init__(self):
+    self.ends: list[float] = []
+    self.intervals: list[float] = []
+
+  def on_fit_start(self, trainer, step):
+    self.ends = []
+
+  def on_step_end(self, trainer, step, metrics):
+    self.ends.append(time.perf_counter())
+
+  def on_fit_end(self, trainer, history):
+    self.intervals.extend(np.diff(self.ends)[:-1].tolist())
+
+
+def cycle(batches: list[dict[str, Any]], start: int, count: int) -> list[dict[str, Any]]:
+  return [batches[(start + i) % len(batches)] for i in range(count)]
+
+
+def throughput(case: Case, trainers: dict[bool, Trainer]) -> dict[bool, dict[str, float]]:
+  """Median step time (ms) and examples/s of each mode (trainers[pipelining]), fit
+  alternately round by round."""
+  clocks = {mode: StepTimes() for mode in trainers}
+  # One warm-up round compiles every program (prime, pipelined, drain, sync).
+  position = 0
+  for round_index in range(case.rounds + 1):
+    for mode, trainer in trainers.items():
+      clock = clocks[mode] if round_index else StepTimes()
+      trainer.fit(cycle(case.batches, position, case.steps_per_round + 1), callbacks=[clock])
+      jax.block_until_ready(trainer.state)
+    position += case.steps_per_round + 1
+  batch = case.batches[0]["labels"].shape[0]
   out = {}
-  for pipelining in (True, False):
-    trainer = make_trainer(specs, embedding_dim, pipelining)
-    trainer.fit(data[:warmup])
-    start = time.perf_counter()
-    history = trainer.fit(data[warmup:warmup + steps])
-    jax.block_until_ready(trainer.state)
-    elapsed = time.perf_counter() - start
-    batch = data[0]["labels"].shape[0]
-    out[pipelining] = {"examples_per_sec": len(history.steps) * batch / elapsed,
-                       "step_ms": 1e3 * elapsed / len(history.steps)}
+  for mode, clock in clocks.items():
+    step_s = statistics.median(clock.intervals)
+    out[mode] = {"step_ms": 1e3 * step_s, "examples_per_sec": batch / step_s}
   return out
 
 
-def stage_times(specs, embedding_dim, data, repeats):
-  trainer = make_trainer(specs, embedding_dim, False)
-  trainer.fit(data[:2])
+def stage_times(case: Case, trainer: Trainer, repeats: int) -> dict[str, dict[str, float]]:
+  """Each stage of a step alone, on a trained (synchronous) Trainer's state:
+  {"ms": wall median, "cpu_ms": CPU-time median}."""
   plan, state = trainer.plan, trainer.state
-  prepared = [trainer.prepare(batch) for batch in data[:repeats + 1]]
-  model = as_dense_model(trainer._model, jax.random.key(0),
+  prepared = [trainer.prepare(batch) for batch in case.batches]
+  model = as_dense_model(case.model, jax.random.key(0),
                          {f.name: jnp.zeros(f.output_shape) for f in plan.feature_specs},
                          prepared[0].dense)
   optimizer = optax.adam(1e-3)
+  backend = trainer.backend
 
-  lookup = jax.jit(lambda tables, sparse: embedding_lookup(plan, tables, sparse))
+  lookup = jax.jit(lambda tables, sparse: embedding_lookup(plan, tables, sparse, backend=backend))
 
   @jax.jit
   def dense_step(params, opt_state, activations, dense, labels):
     def loss(p, a):
-      return dlrm.bce_loss(model.apply(p, a, dense), labels)
+      return case.loss_fn(model.apply(p, a, dense), labels)
     value, (grads, act_grads) = jax.value_and_grad(loss, argnums=(0, 1))(params, activations)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, act_grads
 
-  update = jax.jit(lambda v, sparse, g: apply_embedding_gradients(plan, v, sparse, g, 0),
-                   donate_argnums=0)
+  update = jax.jit(
+      lambda v, sparse, g: apply_embedding_gradients(plan, v, sparse, g, 0, backend=backend),
+      donate_argnums=0)
   activations = lookup(state.embeddings.tables, prepared[0].sparse)
-  params, opt_state = state.params, state.opt_state
-  _, _, act_grads = dense_step(params, opt_state, activations, prepared[0].dense, prepared[0].labels)
+  params, opt_state = model.params, optimizer.init(model.params)
+  _, _, act_grads = dense_step(params, opt_state, activations, prepared[0].dense,
+                               prepared[0].labels)
   embeddings = [state.embeddings]
 
   def run_prepare(i):
-    jax.block_until_ready(trainer.prepare(data[i % len(data)]))
+    jax.block_until_ready(trainer.prepare(case.batches[i % len(case.batches)]))
 
   def run_lookup(i):
     jax.block_until_ready(lookup(embeddings[0].tables, prepared[i % len(prepared)].sparse))
 
   def run_dense(i):
-    jax.block_until_ready(dense_step(params, opt_state, activations, prepared[0].dense, prepared[0].labels))
+    jax.block_until_ready(dense_step(params, opt_state, activations, prepared[0].dense,
+                                     prepared[0].labels))
 
   def run_update(i):
     embeddings[0] = update(embeddings[0], prepared[i % len(prepared)].sparse, act_grads)
     jax.block_until_ready(embeddings[0])
 
-  return {
-      "host_preprocessing": 1e3 * time_median(run_prepare, repeats)["median_s"],
-      "lookup": 1e3 * time_median(run_lookup, repeats)["median_s"],
-      "dense_fwd_bwd": 1e3 * time_median(run_dense, repeats)["median_s"],
-      "sparse_update": 1e3 * time_median(run_update, repeats)["median_s"],
-  }
+  stages = {}
+  for name, fn in (("host_preprocessing", run_prepare), ("lookup", run_lookup),
+                   ("dense_fwd_bwd", run_dense), ("sparse_update", run_update)):
+    timed = time_median(fn, repeats)
+    stages[name] = {"ms": 1e3 * timed["median_s"], "cpu_ms": 1e3 * timed["cpu_median_s"]}
+  return stages
+
+
+def run_case(case: Case, repeats: int) -> dict[str, Any]:
+  trainers = {mode: make_trainer(case, mode) for mode in (True, False)}
+  result = throughput(case, trainers)
+  stages = stage_times(case, trainers[False], repeats)
+  cores = os.cpu_count() or 1
+  device = ("lookup", "dense_fwd_bwd", "sparse_update")
+  stage_sum = sum(s["ms"] for s in stages.values())
+  device_sum = sum(stages[name]["ms"] for name in device)
+  largest = max(stages, key=lambda name: stages[name]["ms"])
+  cpu_bound = sum(s["cpu_ms"] for s in stages.values()) / cores
+  bound = max(stages[largest]["ms"], cpu_bound)
+  pipelined, sync = result[True], result[False]
+  rows = [{"stage": name, "ms": s["ms"], "cpu_ms": s["cpu_ms"], "cores": s["cpu_ms"] / s["ms"]}
+          for name, s in stages.items()]
+  print(f"\n{case.title}; {jax.device_count()} device(s), {cores} cores")
+  print_table(rows, [("stage", "stage", "s"), ("ms", "ms", ".2f"), ("cpu_ms", "cpu ms", ".2f"),
+                     ("cores", "cores busy", ".2f")])
+  summary = [
+      {"what": "sum of stages", "ms": stage_sum},
+      {"what": "sum of device stages (lookup + dense + update)", "ms": device_sum},
+      {"what": f"largest stage ({largest})", "ms": stages[largest]["ms"]},
+      {"what": f"sum of stage CPU times / {cores} cores", "ms": cpu_bound},
+      {"what": "pipelined step", "ms": pipelined["step_ms"]},
+      {"what": "synchronous step", "ms": sync["step_ms"]},
+  ]
+  print_table(summary, [("what", "", "s"), ("ms", "ms", ".2f")])
+  ratio = pipelined["examples_per_sec"] / sync["examples_per_sec"]
+  print(f"examples/s: pipelined {pipelined['examples_per_sec']:.0f}, synchronous"
+        f" {sync['examples_per_sec']:.0f}, ratio {ratio:.3f}. Bounds on the ratio: sync /"
+        f" largest stage = {sync['step_ms'] / stages[largest]['ms']:.3f}; sync / max(largest"
+        f" stage, CPU time / cores) = {sync['step_ms'] / bound:.3f} (estimate)")
+  return {"config": case.name, "title": case.title, "stages": stages,
+          "sum_of_stages_ms": stage_sum, "largest_stage": largest,
+          "pipelined_step_ms": pipelined["step_ms"], "sync_step_ms": sync["step_ms"],
+          "examples_per_sec_on": pipelined["examples_per_sec"],
+          "examples_per_sec_off": sync["examples_per_sec"], "ratio": ratio,
+          "ratio_bound": sync["step_ms"] / stages[largest]["ms"],
+          "pipelined_bound_estimate_ms": bound, "ratio_bound_estimate": sync["step_ms"] / bound}
 
 
 def main(argv=None):
-  args = parse_args(__doc__.split("\n\n")[0], repeats=10, quick_repeats=5, argv=argv)
-  batch_size, steps = (1024, 40) if args.quick else (2048, 150)
-  embedding_dim, vocab_scale = 16, 1.0
-  source = dlrm.SyntheticCriteo(batch_size, vocab_scale=vocab_scale)
-  data = [source.batch(i) for i in range(steps + 10)]
-  specs = dlrm.build_feature_specs(batch_size, embedding_dim, vocab_scale)
-  layout = auto_stack_tables(specs, jax.device_count())
-  specs = list(size_limits_from_stats(
-      specs, collect_stats([d["sparse"] for d in data[:8]], specs, layout, padding_id=-1),
-      headroom=1.3))
-  stages = stage_times(specs, embedding_dim, data, args.repeats)
-  result = throughput(specs, embedding_dim, data, steps, warmup=5)
-  stage_sum = sum(stages.values())
-  rows = [{"stage": name, "ms": value} for name, value in stages.items()]
-  rows.append({"stage": "sum of stages", "ms": stage_sum})
-  rows.append({"stage": "pipelined step", "ms": result[True]["step_ms"]})
-  rows.append({"stage": "synchronous step", "ms": result[False]["step_ms"]})
-  print(f"\nDLRM, batch {batch_size}, 26 tables, dim {embedding_dim}, {jax.device_count()} device(s)")
-  print_table(rows, [("stage", "stage", "s"), ("ms", "ms", ".2f")])
-  on, off = result[True]["examples_per_sec"], result[False]["examples_per_sec"]
-  efficiency = stage_sum / result[True]["step_ms"]
-  print(f"\nexamples/s: pipelining on {on:.0f}, off {off:.0f}, ratio {on / off:.2f};"
-        f" overlap efficiency {efficiency:.2f}")
-  out = {"benchmark": "pipeline", "quick": args.quick, "batch_size": batch_size,
-         "stages_ms": stages, "pipelined_step_ms": result[True]["step_ms"],
-         "sync_step_ms": result[False]["step_ms"], "examples_per_sec_on": on,
-         "examples_per_sec_off": off, "overlap_efficiency": efficiency, "machine": machine_info()}
+  args = parse_args(__doc__.split("\n\n")[0], repeats=10, quick_repeats=3, argv=argv,
+                    choices={"config": ("all", *CASES)})
+  names = list(CASES) if args.config == "all" else [args.config]
+  results = [run_case(CASES[name](args.quick), args.repeats) for name in names]
+  out = {"benchmark": "pipeline", "quick": args.quick, "configs": results,
+         "machine": machine_info()}
   print(json.dumps(out))
   if args.json:
     with open(args.json, "w") as f:

@@ -210,7 +210,11 @@ class StepFunctions:
     return CompiledSteps(
         sync=jax.jit(self.sync_body, donate_argnums=(0,)),
         prime_jit=jax.jit(self.prime_body),
-        pipelined_jit=jax.jit(self.pipelined_body, donate_argnums=(0, 1)),
+        # Only the state is donated: the in-flight activations are read by the
+        # dense step while the lookup of the next batch writes new ones, so
+        # donating them makes XLA copy every activation before the lookup
+        # may reuse its buffer (one [B, D] copy per feature and step).
+        pipelined_jit=jax.jit(self.pipelined_body, donate_argnums=(0,)),
         drain=jax.jit(self.drain_body, donate_argnums=(0,)),
         predict=jax.jit(self.predict_body),
     )

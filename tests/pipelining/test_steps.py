@@ -67,6 +67,26 @@ def test_pipelined_step_keeps_no_copy_of_the_tables(optimizer, devices):
     assert temp < smallest_table, (name, temp, smallest_table)  # a copy needs a whole table
 
 
+
+def test_pipelined_step_copies_no_in_flight_activation():
+  """The in-flight activations are read by the dense step while the lookup of
+  the next batch writes new ones: they must not be donated to the step, or XLA
+  copies every one of them each step before reusing its buffer."""
+  trainer = large_table_trainer(SGD(0.1), 1)
+  batches = make_batches(2, seed=51)
+  trainer.initialize(batches[0])
+  first, second = trainer.prepare(batches[0]), trainer.prepare(batches[1])
+  in_flight = trainer._steps.prime(trainer.state, first)
+  text = trainer._steps.pipelined_jit.lower(
+      trainer.state, in_flight.activations, first, second).compile().as_text()
+  parameters = {line.split(" = ")[0].strip().lstrip("%") for line in text.splitlines()
+                if " parameter(" in line and "activations" in line.split(" = ")[0]}
+  assert len(parameters) == len(in_flight.activations)
+  copied = [line.strip() for line in text.splitlines()
+            if " copy(" in line and any(f"copy(%{name})" in line for name in parameters)]
+  assert not copied, copied
+
+
 # --- one composition: the Trainer and the Flax layers' train step ------------------
 
 
