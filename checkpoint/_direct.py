@@ -167,54 +167,37 @@ class ChunkCache:
     self._chunks: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()
     self._bytes = 0
     self._spare: list[np.ndarray] = []  # Dropped buffers (uint8), for reuse.
-    self._loading: dict[str, threading.Event] = {}  # Chunks being read, by file.
     self._lock = threading.Lock()
 
   def get(self, file: str, shape: tuple[int, int], dtype: np.dtype) -> np.ndarray:
-    """The chunk stored in `file` as a [rows, width] array, read and checked if not kept.
-
-    A chunk that another thread is reading is waited for, not read again.
-    """
+    """The chunk stored in `file` as a [rows, width] array, read and checked if not kept."""
     nbytes = shape[0] * shape[1] * np.dtype(dtype).itemsize
-    while True:
-      with self._lock:
-        data = self._chunks.get(file)
-        if data is not None:
-          self._chunks.move_to_end(file)
-          return data
-        loading = self._loading.get(file)
-        if loading is None:
-          self._loading[file] = threading.Event()
-          index = next((i for i, b in enumerate(self._spare) if b.nbytes == nbytes), None)
-          raw = None if index is None else self._spare.pop(index)
-          break
-      loading.wait()  # Then kept (or the read failed, and this thread tries it).
-    try:
-      if raw is None:
-        raw = np.empty(nbytes, np.uint8)
-      _read_chunk(file, raw)
-      data = raw.view(dtype).reshape(shape)
-      data.flags.writeable = False
-      with self._lock:
+    with self._lock:
+      data = self._chunks.get(file)
+      if data is not None:
+        self._chunks.move_to_end(file)
+        return data
+      index = next((i for i, b in enumerate(self._spare) if b.nbytes == nbytes), None)
+      raw = None if index is None else self._spare.pop(index)
+    if raw is None:
+      raw = np.empty(nbytes, np.uint8)
+    _read_chunk(file, raw)
+    data = raw.view(dtype).reshape(shape)
+    data.flags.writeable = False
+    with self._lock:
+      if file not in self._chunks:
         self._chunks[file] = data
         self._bytes += data.nbytes
-        self._evict()
-    finally:
-      with self._lock:
-        self._loading.pop(file).set()
+      while self._bytes > self.max_bytes and len(self._chunks) > 1:
+        _, dropped = self._chunks.popitem(last=False)
+        self._bytes -= dropped.nbytes
+        # Reused only when nothing outside holds the chunk or a view of its
+        # buffer: counted are the local names, `dropped.base` and getrefcount's argument.
+        buffer = dropped.base
+        if sys.getrefcount(dropped) <= 2 and sys.getrefcount(buffer) <= 3 and len(self._spare) < 4:
+          self._spare.append(buffer)
+        del buffer
     return data
-
-  def _evict(self) -> None:
-    """Drops least recently used chunks down to `max_bytes` (the lock held)."""
-    while self._bytes > self.max_bytes and len(self._chunks) > 1:
-      _, dropped = self._chunks.popitem(last=False)
-      self._bytes -= dropped.nbytes
-      # Reused only when nothing outside holds the chunk or a view of its
-      # buffer: counted are the local names, `dropped.base` and getrefcount's argument.
-      buffer = dropped.base
-      if sys.getrefcount(dropped) <= 2 and sys.getrefcount(buffer) <= 3 and len(self._spare) < 4:
-        self._spare.append(buffer)
-      del buffer
 
 
 def direct_writable(path: epath.Path, dtype) -> bool:

@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import os
-import threading
-import time
 import tracemalloc
 
-import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
@@ -128,44 +124,3 @@ def test_peak_memory_is_bounded_by_the_block_size_not_the_table(tmp_path):
   # The chunk cache (8 blocks), a few blocks in flight, row indices, listings.
   assert peak < 16 * block_bytes + (512 << 10) < size / 4, (peak, size)
   _check_tables(model, tmp_path / "dst")
-
-
-def test_chunk_cache_reads_a_chunk_once_when_threads_ask_for_it_together(tmp_path, monkeypatch):
-  _, layout = _saved(tmp_path / "src", 1, 1)
-  table_chunk = os.path.join("table", "c", "")
-  file = sorted(f for f in _chunk_files(tmp_path / "src") if table_chunk in f)[0]
-  chunk_rows = ck.CheckpointReader(tmp_path / "src").manifest.groups[0].table.chunk_rows
-  width = layout.stacks[0].padded_embedding_dim
-  reads = []
-  read_chunk = _direct._read_chunk
-  started = threading.Event()
-
-  def slow(path, out):
-    reads.append(path)
-    started.set()
-    time.sleep(0.2)  # The other threads ask while this read is under way.
-    return read_chunk(path, out)
-
-  monkeypatch.setattr(_direct, "_read_chunk", slow)
-  cache = _direct.ChunkCache(1 << 20)
-  with concurrent.futures.ThreadPoolExecutor(4) as pool:
-    first = pool.submit(cache.get, file, (chunk_rows, width), np.float32)
-    started.wait()
-    others = [pool.submit(cache.get, file, (chunk_rows, width), np.float32) for _ in range(3)]
-    results = [first.result()] + [future.result() for future in others]
-  assert reads == [file]
-  stored = np.fromfile(file, np.float32)[: chunk_rows * width].reshape(chunk_rows, width)
-  for result in results:
-    assert_same_bits(result, stored)
-
-
-def test_chunk_cache_lets_a_waiting_thread_retry_a_failed_read(tmp_path, monkeypatch):
-  _saved(tmp_path / "src", 1, 1)
-  file = sorted(_chunk_files(tmp_path / "src"))[0]
-  os.remove(file)
-  cache = _direct.ChunkCache(1 << 20)
-  with concurrent.futures.ThreadPoolExecutor(2) as pool:
-    futures = [pool.submit(cache.get, file, (4, 16), np.float32) for _ in range(2)]
-    for future in futures:
-      with pytest.raises(ck.CorruptCheckpointError, match="is missing"):
-        future.result()
