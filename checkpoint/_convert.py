@@ -60,7 +60,7 @@ _DEFAULT_BLOCK_BYTES = 32 << 20
 _CACHE_BLOCKS = 8  # The source chunk cache holds this many blocks' bytes.
 # Threads writing blocks. Writing (the kernel's copy into the page cache and
 # its file creation) is the longest stage; two writers measured up to 1.6x
-# faster than one, three blocks in flight at most.
+# faster than one (never slower), with three blocks in flight at most.
 _WRITERS = 2
 
 

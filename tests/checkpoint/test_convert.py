@@ -191,7 +191,7 @@ def test_convert_changes_the_allocator_only_when_asked(tmp_path, monkeypatch, ho
 
 
 def test_a_corrupt_source_chunk_fails_the_conversion_and_leaves_nothing_behind(tmp_path):
-  """Blocks are assembled on several threads; the failure of one is raised, not lost."""
+  """The failure is raised while earlier blocks are being written (on threads), not lost."""
   _, layout = _saved(tmp_path / "a")
   chunks = sorted((tmp_path / "a").glob("stacks/*/table/c/*/0"))
   damaged = chunks[len(chunks) // 2]
