@@ -58,6 +58,10 @@ ConversionProgress = Callable[[int, int, str], None]
 _TMP_SUFFIX = ocp.path.atomicity.TMP_DIR_SUFFIX
 _DEFAULT_BLOCK_BYTES = 32 << 20
 _CACHE_BLOCKS = 8  # The source chunk cache holds this many blocks' bytes.
+# Threads writing blocks. Writing (the kernel's copy into the page cache and
+# its file creation) is the longest stage; two writers measured up to 1.6x
+# faster than one (never slower), with three blocks in flight at most.
+_WRITERS = 2
 
 
 def convert(
@@ -188,7 +192,8 @@ class _Writer:
 
   Arrays of the default encoding on a local path (raw bytes + crc32c) get
   their chunk files written directly (`_direct.write_chunks_direct`,
-  by one worker thread, so writing overlaps assembling the next block);
+  by `_WRITERS` worker threads, so writing overlaps assembling the next
+  blocks);
   TensorStore creates every array and writes the others.
   """
 
@@ -201,7 +206,7 @@ class _Writer:
         dtype = numpy_dtype(info.dtype)
         if manifest.storage.direct_readable and _direct.direct_writable(path, dtype):
           self._direct[(group.name, slot)] = (path, info.chunk_rows, info.shape[0])
-    self._pool = concurrent.futures.ThreadPoolExecutor(1)
+    self._pool = concurrent.futures.ThreadPoolExecutor(_WRITERS, thread_name_prefix="convert-write")
     self._pending: collections.deque = collections.deque()  # (future, buffer to reuse or None)
     self._spare: list[np.ndarray] = []
     self._progress = progress
@@ -234,7 +239,7 @@ class _Writer:
       store = self._stores[(group, slot)]
       future = store[rows].write(data, can_reference_source_data_indefinitely=True)
     self._pending.append((future, reuse))
-    while len(self._pending) > 2:
+    while len(self._pending) > _WRITERS + 1:
       self._wait_oldest()
     self._done += data.nbytes
     if self._progress is not None:

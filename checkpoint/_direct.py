@@ -245,10 +245,16 @@ def write_chunks_direct(
       os.close(fd)
 
 
+# Bytes per write() call. Writing a 4 MiB chunk in one call measured 3-7x
+# slower (in the kernel) than the same bytes in 1 MiB calls on Linux 6.x ext4,
+# and slower than `cp` of the same files; 256 KiB - 1 MiB calls match `cp`.
+_WRITE_BYTES = 1 << 20
+
+
 def _write_all(fd: int, data: np.ndarray) -> None:
   done = 0
   while done < data.nbytes:
-    done += os.write(fd, data[done:])
+    done += os.write(fd, data[done : done + _WRITE_BYTES])
 
 
 def _read_chunk(file: str, target: np.ndarray) -> None:

@@ -188,3 +188,17 @@ def test_convert_changes_the_allocator_only_when_asked(tmp_path, monkeypatch, ho
   options = {} if host_memory is None else {"host_memory": host_memory}
   ck.convert(item, tmp_path / "out", "unstacked", **options)
   assert len(made) == calls
+
+
+def test_a_corrupt_source_chunk_fails_the_conversion_and_leaves_nothing_behind(tmp_path):
+  """The failure is raised while earlier blocks are being written (on threads), not lost."""
+  _, layout = _saved(tmp_path / "a")
+  chunks = sorted((tmp_path / "a").glob("stacks/*/table/c/*/0"))
+  damaged = chunks[len(chunks) // 2]
+  data = bytearray(damaged.read_bytes())
+  data[0] ^= 0xFF
+  damaged.write_bytes(bytes(data))
+  target = ck.relayout(layout, num_devices=4, shards_per_device=2)
+  with pytest.raises(ck.CorruptCheckpointError, match="fails its CRC32C"):
+    ck.convert(tmp_path / "a", tmp_path / "b", target, block_bytes=256)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
