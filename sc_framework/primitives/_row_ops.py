@@ -114,7 +114,7 @@ def cpu_kernels_available() -> bool:
     # The first call may come while a jitted function is being traced: run
     # the probe eagerly, outside that trace.
     with jax.ensure_compile_time_eval():
-      cpu = jax.devices("cpu")[0]
+      cpu = jax.local_devices(backend="cpu")[0]  # this process's: others are not addressable
       table = jax.device_put(np.arange(12, dtype=np.float32).reshape(4, 3), cpu)
       index = jax.device_put(np.array([2, -1], np.int32), cpu)
       probe = np.asarray(jax.jit(_kernel_gather_rows)(table, index))
