@@ -679,21 +679,87 @@ ffi::Error CheckHyper(const char* kernel, ffi::Buffer<ffi::F32> hyper, int64_t r
                     meaning);
 }
 
+// The two ways a fused update receives its gradients: Check() validates them
+// against K indices and the table's width D, With(count, fn) calls fn with
+// the matching Grads.
+struct RowGradsInput {  // grads [K, D]
+  ffi::Buffer<ffi::F32> grads;
+  ffi::Error Check(const char* kernel, int64_t count, int64_t dim) const {
+    return CheckDims(kernel, "grads", grads.dimensions(), {count, dim},
+                     "[K, D]: one gradient row of the table's width per index");
+  }
+  template <typename Fn>
+  void With(int64_t, const Fn& fn) const {
+    fn(RowGrads{grads.typed_data(), grads.dimensions()[1]});
+  }
+};
+
+struct EntryGradsInput {  // grads [B, D], samples [E], unique_index [E], gains [E]
+  ffi::Buffer<ffi::F32> grads;
+  ffi::Buffer<ffi::S32> samples, unique_index;
+  ffi::Buffer<ffi::F32> gains;
+  ffi::Error Check(const char* kernel, int64_t, int64_t dim) const {
+    SC_RETURN_IF_ERROR(CheckEntries(kernel, grads.dimensions(), dim, samples.dimensions(),
+                                    unique_index.dimensions(), gains.dimensions()));
+    return GroupingCheck(kernel, unique_index.dimensions());
+  }
+  template <typename Fn>
+  void With(int64_t count, const Fn& fn) const {
+    const EntriesByUniqueRow groups =
+        GroupByUniqueRow(samples.typed_data(), unique_index.typed_data(), gains.typed_data(),
+                         unique_index.element_count(), grads.dimensions()[0], count);
+    fn(EntryGrads{&groups, grads.typed_data(), grads.dimensions()[1]});
+  }
+};
+
+// Check every operand of an SGD or a row-wise Adagrad update, then run it in
+// place, with the gradients of either Input.
+template <typename Input>
+ffi::Error SgdStep(const char* kernel, ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> index,
+                   const Input& input, ffi::Buffer<ffi::S32> dims, ffi::Buffer<ffi::F32> hyper,
+                   ffi::ResultBuffer<ffi::F32> out) {
+  SC_RETURN_IF_ERROR(CheckTableAndOut(kernel, table.dimensions(), out->dimensions()));
+  const int64_t rows = table.dimensions()[0], dim = table.dimensions()[1];
+  const int64_t count = index.element_count();
+  SC_RETURN_IF_ERROR(input.Check(kernel, count, dim));
+  SC_RETURN_IF_ERROR(CheckCount(kernel, "dims", dims.dimensions(), count, "one per index"));
+  SC_RETURN_IF_ERROR(CheckHyper(kernel, hyper, 1, "{learning rate, row options}"));
+  CopyIfNotAliased(out->typed_data(), table.typed_data(), rows * dim);
+  input.With(count, [&](const auto& grads) {
+    SgdUpdate(out->typed_data(), rows, dim, index.typed_data(), count, grads, dims.typed_data(),
+              hyper.typed_data());
+  });
+  return ffi::Error::Success();
+}
+
+template <typename Input>
+ffi::Error RowwiseAdagradStep(const char* kernel, ffi::Buffer<ffi::F32> table,
+                              ffi::Buffer<ffi::F32> accumulator, ffi::Buffer<ffi::S32> index,
+                              const Input& input, ffi::Buffer<ffi::S32> dims,
+                              ffi::Buffer<ffi::F32> hyper, ffi::ResultBuffer<ffi::F32> table_out,
+                              ffi::ResultBuffer<ffi::F32> accumulator_out) {
+  SC_RETURN_IF_ERROR(CheckTableAndOut(kernel, table.dimensions(), table_out->dimensions()));
+  const int64_t rows = table.dimensions()[0], dim = table.dimensions()[1];
+  const int64_t count = index.element_count();
+  SC_RETURN_IF_ERROR(CheckAccumulator(kernel, accumulator.dimensions(),
+                                      accumulator_out->dimensions(), rows));
+  SC_RETURN_IF_ERROR(input.Check(kernel, count, dim));
+  SC_RETURN_IF_ERROR(CheckCount(kernel, "dims", dims.dimensions(), count, "one per index"));
+  SC_RETURN_IF_ERROR(CheckHyper(kernel, hyper, 2, "{learning rate, eps, row options}"));
+  CopyIfNotAliased(table_out->typed_data(), table.typed_data(), rows * dim);
+  CopyIfNotAliased(accumulator_out->typed_data(), accumulator.typed_data(), rows);
+  input.With(count, [&](const auto& grads) {
+    RowwiseAdagradUpdate(table_out->typed_data(), accumulator_out->typed_data(), rows, dim,
+                         index.typed_data(), count, grads, dims.typed_data(), hyper.typed_data());
+  });
+  return ffi::Error::Success();
+}
+
 ffi::Error SgdStepRowsImpl(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> index,
                            ffi::Buffer<ffi::F32> grads, ffi::Buffer<ffi::S32> dims,
                            ffi::Buffer<ffi::F32> hyper, ffi::ResultBuffer<ffi::F32> out) {
-  constexpr char kKernel[] = "sc_framework_sgd_step_rows";
-  SC_RETURN_IF_ERROR(CheckTableAndOut(kKernel, table.dimensions(), out->dimensions()));
-  const int64_t rows = table.dimensions()[0], dim = table.dimensions()[1];
-  const int64_t count = index.element_count();
-  SC_RETURN_IF_ERROR(CheckDims(kKernel, "grads", grads.dimensions(), {count, dim},
-                               "[K, D]: one gradient row of the table's width per index"));
-  SC_RETURN_IF_ERROR(CheckCount(kKernel, "dims", dims.dimensions(), count, "one per index"));
-  SC_RETURN_IF_ERROR(CheckHyper(kKernel, hyper, 1, "{learning rate, row options}"));
-  CopyIfNotAliased(out->typed_data(), table.typed_data(), rows * dim);
-  SgdUpdate(out->typed_data(), rows, dim, index.typed_data(), count,
-            RowGrads{grads.typed_data(), dim}, dims.typed_data(), hyper.typed_data());
-  return ffi::Error::Success();
+  return SgdStep("sc_framework_sgd_step_rows", table, index, RowGradsInput{grads}, dims, hyper,
+                 out);
 }
 
 ffi::Error SgdStepEntriesImpl(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> index,
@@ -701,46 +767,17 @@ ffi::Error SgdStepEntriesImpl(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32>
                               ffi::Buffer<ffi::S32> entry_unique_index, ffi::Buffer<ffi::F32> gains,
                               ffi::Buffer<ffi::S32> dims, ffi::Buffer<ffi::F32> hyper,
                               ffi::ResultBuffer<ffi::F32> out) {
-  constexpr char kKernel[] = "sc_framework_sgd_step_entries";
-  SC_RETURN_IF_ERROR(CheckTableAndOut(kKernel, table.dimensions(), out->dimensions()));
-  const int64_t rows = table.dimensions()[0], dim = table.dimensions()[1];
-  const int64_t count = index.element_count();
-  SC_RETURN_IF_ERROR(CheckEntries(kKernel, grads.dimensions(), dim, entry_samples.dimensions(),
-                                  entry_unique_index.dimensions(), gains.dimensions()));
-  SC_RETURN_IF_ERROR(CheckCount(kKernel, "dims", dims.dimensions(), count, "one per index"));
-  SC_RETURN_IF_ERROR(CheckHyper(kKernel, hyper, 1, "{learning rate, row options}"));
-  SC_RETURN_IF_ERROR(GroupingCheck(kKernel, entry_unique_index.dimensions()));
-  CopyIfNotAliased(out->typed_data(), table.typed_data(), rows * dim);
-  const EntriesByUniqueRow groups =
-      GroupByUniqueRow(entry_samples.typed_data(), entry_unique_index.typed_data(),
-                       gains.typed_data(), entry_unique_index.element_count(),
-                       grads.dimensions()[0], count);
-  SgdUpdate(out->typed_data(), rows, dim, index.typed_data(), count,
-            EntryGrads{&groups, grads.typed_data(), dim},
-            dims.typed_data(), hyper.typed_data());
-  return ffi::Error::Success();
+  return SgdStep("sc_framework_sgd_step_entries", table, index,
+                 EntryGradsInput{grads, entry_samples, entry_unique_index, gains}, dims, hyper,
+                 out);
 }
 
 ffi::Error RowwiseAdagradStepRowsImpl(
     ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::F32> accumulator, ffi::Buffer<ffi::S32> index,
     ffi::Buffer<ffi::F32> grads, ffi::Buffer<ffi::S32> dims, ffi::Buffer<ffi::F32> hyper,
     ffi::ResultBuffer<ffi::F32> table_out, ffi::ResultBuffer<ffi::F32> accumulator_out) {
-  constexpr char kKernel[] = "sc_framework_rowwise_adagrad_step_rows";
-  SC_RETURN_IF_ERROR(CheckTableAndOut(kKernel, table.dimensions(), table_out->dimensions()));
-  const int64_t rows = table.dimensions()[0], dim = table.dimensions()[1];
-  const int64_t count = index.element_count();
-  SC_RETURN_IF_ERROR(CheckAccumulator(kKernel, accumulator.dimensions(),
-                                      accumulator_out->dimensions(), rows));
-  SC_RETURN_IF_ERROR(CheckDims(kKernel, "grads", grads.dimensions(), {count, dim},
-                               "[K, D]: one gradient row of the table's width per index"));
-  SC_RETURN_IF_ERROR(CheckCount(kKernel, "dims", dims.dimensions(), count, "one per index"));
-  SC_RETURN_IF_ERROR(CheckHyper(kKernel, hyper, 2, "{learning rate, eps, row options}"));
-  CopyIfNotAliased(table_out->typed_data(), table.typed_data(), rows * dim);
-  CopyIfNotAliased(accumulator_out->typed_data(), accumulator.typed_data(), rows);
-  RowwiseAdagradUpdate(table_out->typed_data(), accumulator_out->typed_data(), rows, dim,
-                       index.typed_data(), index.element_count(),
-                       RowGrads{grads.typed_data(), dim}, dims.typed_data(), hyper.typed_data());
-  return ffi::Error::Success();
+  return RowwiseAdagradStep("sc_framework_rowwise_adagrad_step_rows", table, accumulator, index,
+                            RowGradsInput{grads}, dims, hyper, table_out, accumulator_out);
 }
 
 ffi::Error RowwiseAdagradStepEntriesImpl(
@@ -749,28 +786,9 @@ ffi::Error RowwiseAdagradStepEntriesImpl(
     ffi::Buffer<ffi::S32> entry_unique_index, ffi::Buffer<ffi::F32> gains,
     ffi::Buffer<ffi::S32> dims, ffi::Buffer<ffi::F32> hyper, ffi::ResultBuffer<ffi::F32> table_out,
     ffi::ResultBuffer<ffi::F32> accumulator_out) {
-  constexpr char kKernel[] = "sc_framework_rowwise_adagrad_step_entries";
-  SC_RETURN_IF_ERROR(CheckTableAndOut(kKernel, table.dimensions(), table_out->dimensions()));
-  const int64_t rows = table.dimensions()[0], dim = table.dimensions()[1];
-  const int64_t count = index.element_count();
-  SC_RETURN_IF_ERROR(CheckAccumulator(kKernel, accumulator.dimensions(),
-                                      accumulator_out->dimensions(), rows));
-  SC_RETURN_IF_ERROR(CheckEntries(kKernel, grads.dimensions(), dim, entry_samples.dimensions(),
-                                  entry_unique_index.dimensions(), gains.dimensions()));
-  SC_RETURN_IF_ERROR(CheckCount(kKernel, "dims", dims.dimensions(), count, "one per index"));
-  SC_RETURN_IF_ERROR(CheckHyper(kKernel, hyper, 2, "{learning rate, eps, row options}"));
-  SC_RETURN_IF_ERROR(GroupingCheck(kKernel, entry_unique_index.dimensions()));
-  CopyIfNotAliased(table_out->typed_data(), table.typed_data(), rows * dim);
-  CopyIfNotAliased(accumulator_out->typed_data(), accumulator.typed_data(), rows);
-  const EntriesByUniqueRow groups =
-      GroupByUniqueRow(entry_samples.typed_data(), entry_unique_index.typed_data(),
-                       gains.typed_data(), entry_unique_index.element_count(),
-                       grads.dimensions()[0], count);
-  RowwiseAdagradUpdate(table_out->typed_data(), accumulator_out->typed_data(), rows, dim,
-                       index.typed_data(), count,
-                       EntryGrads{&groups, grads.typed_data(), dim},
-                       dims.typed_data(), hyper.typed_data());
-  return ffi::Error::Success();
+  return RowwiseAdagradStep("sc_framework_rowwise_adagrad_step_entries", table, accumulator, index,
+                            EntryGradsInput{grads, entry_samples, entry_unique_index, gains}, dims,
+                            hyper, table_out, accumulator_out);
 }
 
 // Fused updates for the element-wise rules of the built-in Adagrad, Adam and
@@ -940,39 +958,6 @@ ffi::Error CheckSlotLikeTable(const char* kernel, const char* name, ffi::Span<co
   return CheckDims(kernel, ("the output " + std::string(name)).c_str(), out, {table[0], table[1]},
                    "the table's shape");
 }
-
-// The two ways a fused update receives its gradients: Check() validates them
-// against K indices and the table's width D, With(count, fn) calls fn with
-// the matching Grads.
-struct RowGradsInput {  // grads [K, D]
-  ffi::Buffer<ffi::F32> grads;
-  ffi::Error Check(const char* kernel, int64_t count, int64_t dim) const {
-    return CheckDims(kernel, "grads", grads.dimensions(), {count, dim},
-                     "[K, D]: one gradient row of the table's width per index");
-  }
-  template <typename Fn>
-  void With(int64_t, const Fn& fn) const {
-    fn(RowGrads{grads.typed_data(), grads.dimensions()[1]});
-  }
-};
-
-struct EntryGradsInput {  // grads [B, D], samples [E], unique_index [E], gains [E]
-  ffi::Buffer<ffi::F32> grads;
-  ffi::Buffer<ffi::S32> samples, unique_index;
-  ffi::Buffer<ffi::F32> gains;
-  ffi::Error Check(const char* kernel, int64_t, int64_t dim) const {
-    SC_RETURN_IF_ERROR(CheckEntries(kernel, grads.dimensions(), dim, samples.dimensions(),
-                                    unique_index.dimensions(), gains.dimensions()));
-    return GroupingCheck(kernel, unique_index.dimensions());
-  }
-  template <typename Fn>
-  void With(int64_t count, const Fn& fn) const {
-    const EntriesByUniqueRow groups =
-        GroupByUniqueRow(samples.typed_data(), unique_index.typed_data(), gains.typed_data(),
-                         unique_index.element_count(), grads.dimensions()[0], count);
-    fn(EntryGrads{&groups, grads.typed_data(), grads.dimensions()[1]});
-  }
-};
 
 // Checks every operand of an element-wise rule's update, then runs it in place.
 template <typename Rule, typename Input>
