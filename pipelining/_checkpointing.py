@@ -45,8 +45,8 @@ from checkpoint import (
     UpdatedRows,
     batch_rows,
 )
-from pipelining._in_flight import SavedInFlight, rows_shapes
-from pipelining._steps import DeviceBatch, InFlight, TrainState
+from pipelining._in_flight import FeatureInFlight, SavedInFlight, rows_shapes
+from pipelining._steps import DeviceBatch, TrainState
 from sc_framework.preprocessing import PreprocessedBatch, StackBatch
 from sc_framework.primitives import EmbeddingPlan, EmbeddingVariables
 
@@ -71,7 +71,7 @@ _LAYOUT_SPECIFIC_KEYS = {
 }
 
 
-def _in_flight_to_tree(in_flight: InFlight) -> dict[str, Any]:
+def _in_flight_to_tree(in_flight: FeatureInFlight) -> dict[str, Any]:
   """The trainer/1 in-flight item: the preprocessed buffers of one layout."""
   batch = in_flight.batch
   return {
@@ -85,12 +85,12 @@ def _in_flight_to_tree(in_flight: InFlight) -> dict[str, Any]:
   }
 
 
-def _in_flight_from_tree(tree: dict[str, Any]) -> InFlight:
+def _in_flight_from_tree(tree: dict[str, Any]) -> FeatureInFlight:
   sparse = {
       name: StackBatch(**{field: arrays[key] for field, key in _LAYOUT_SPECIFIC_KEYS.items()})
       for name, arrays in tree["sparse"].items()
   }
-  return InFlight(tree["activations"], DeviceBatch(sparse, tree["dense"], tree["labels"]))
+  return FeatureInFlight(tree["activations"], DeviceBatch(sparse, tree["dense"], tree["labels"]))
 
 
 class TrainerCheckpoints:
@@ -156,7 +156,7 @@ class TrainerCheckpoints:
       self,
       step: int,
       state: TrainState,
-      in_flight: SavedInFlight | InFlight | None,
+      in_flight: SavedInFlight | FeatureInFlight | None,
       data_state: dict[str, Any],
       *,
       pipelining: bool,
@@ -164,8 +164,8 @@ class TrainerCheckpoints:
     """Starts an asynchronous save of `step` (skipped if that step exists).
 
     Args:
-      in_flight: the layout-free in-flight batch; an `InFlight` (preprocessed
-        buffers) only for a batch restored from a layout-specific checkpoint,
+      in_flight: the layout-free in-flight batch; a `FeatureInFlight`
+        (preprocessed buffers) only for a batch restored from a layout-specific checkpoint,
         which is then written in that format again.
     """
     if step in self._manager.all_steps():
@@ -210,8 +210,8 @@ class TrainerCheckpoints:
         self._rows.add(stack, stack_rows)
 
   def restore(
-      self, step: int, state_template: TrainState, in_flight_template: InFlight
-  ) -> tuple[TrainState, SavedInFlight | InFlight | None, dict[str, Any]]:
+      self, step: int, state_template: TrainState, in_flight_template: FeatureInFlight
+  ) -> tuple[TrainState, SavedInFlight | FeatureInFlight | None, dict[str, Any]]:
     """Restores step `step` into the plan's layout and mesh.
 
     Args:
@@ -221,7 +221,7 @@ class TrainerCheckpoints:
 
     Returns:
       The state, the in-flight batch (a SavedInFlight with the whole global
-      batch's raw ids on the host; an InFlight from a layout-specific
+      batch's raw ids on the host; a FeatureInFlight from a layout-specific
       checkpoint; None) and the data position.
 
     Raises:
@@ -263,12 +263,12 @@ class TrainerCheckpoints:
     if self._rows is not None:  # The state is `step`'s: rows since, and those still to apply.
       self._rows.clear()
       self._readd_recent()
-      if isinstance(in_flight, InFlight):  # A SavedInFlight is tracked once preprocessed again.
+      if isinstance(in_flight, FeatureInFlight):  # A SavedInFlight is tracked once preprocessed again.
         self.track(in_flight.batch.sparse)
     return state, in_flight, meta.get("data") or {}
 
   def _in_flight_template(self, step: int, meta: dict[str, Any],
-                          example: InFlight) -> dict[str, Any] | None:
+                          example: FeatureInFlight) -> dict[str, Any] | None:
     """The in-flight item's shapes in this layout, or None without one."""
     if not meta["has_in_flight"]:
       return None

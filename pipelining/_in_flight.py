@@ -74,6 +74,19 @@ class SavedInFlight(NamedTuple):
   ids: dict[str, dict[str, Any]]
 
 
+class FeatureInFlight(NamedTuple):
+  """An in-flight batch with its activations per feature (feature -> [B, D]).
+
+  The form checkpoints hold, and of a batch restored from a layout-specific
+  (trainer/1) checkpoint, whose preprocessed buffers replay on the layout it
+  was written with only. The Trainer carries the activations per stack
+  (`pipelining._steps.InFlight`) and converts at save and restore.
+  """
+
+  activations: dict[str, Any]
+  batch: DeviceBatch
+
+
 class IdRows(NamedTuple):
   """One feature's ids as rows (see the module docstring), host arrays."""
 

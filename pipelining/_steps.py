@@ -13,7 +13,9 @@ updates, x_k is batch k, a_k its activations.
 
 With pipelining the lookup reads the tables one update stale (a_{k+1} sees
 T_k, not T_{k+1}); every batch is applied exactly once because the last step
-drains. All functions are pure: the state goes in and comes out (donated).
+drains. The carried a_k is the lookup's result as each stack holds it
+(`stacked_lookup`: one buffer per stack), cut into features only inside the
+step that reads it, so no program copies it into per-feature outputs. All functions are pure: the state goes in and comes out (donated).
 Every step is built from the parts the Flax layers' train steps use
 (`sc_framework.flax`: `value_and_grads`, `dense_update`, `sparse_update`) and
 follows their convention for the loss: a scalar, or (loss, aux dict), whose
@@ -23,7 +25,7 @@ aux entries become metrics beside "loss".
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -37,6 +39,9 @@ from sc_framework.primitives import (
     EmbeddingPlan,
     EmbeddingVariables,
     embedding_lookup,
+    split_stacked_activations,
+    stack_activations,
+    stacked_lookup,
 )
 
 
@@ -65,9 +70,16 @@ class DeviceBatch(NamedTuple):
 
 
 class InFlight(NamedTuple):
-  """The pipeline's carry: a batch whose activations were looked up early."""
+  """The pipeline's carry: a batch whose activations were looked up early.
 
-  activations: dict[str, jax.Array]
+  Attributes:
+    stacked_activations: stack name -> the stack's activations
+      (`sc_framework.primitives.stacked_lookup`); `CompiledSteps.
+      feature_activations` gives them per feature.
+    batch: the batch they were looked up for.
+  """
+
+  stacked_activations: dict[str, jax.Array]
   batch: DeviceBatch
 
 
@@ -88,23 +100,20 @@ def _metrics(aux: dict[str, Any] | None) -> dict[str, jax.Array]:
   return metrics
 
 
-def _ordered(activations: Sequence[jax.Array], num_devices: int) -> jax.Array:
+def _ordered(stacked_activations: jax.Array, num_devices: int) -> jax.Array:
   """A bool [G] that is always True but is computed from each device's activations.
 
   A program that reads a stack's table (a lookup) and updates it in place
   must run the reads first. Without a data dependency between the two, XLA
   cannot prove that order and copies the table each step; guarding the
-  stack's update with this value, computed from the activations of every
-  feature of the stack, makes the update depend on the lookup. Each device's
-  entry reads only its own rows of the activations (the batch is sharded
-  over the same G devices), so no communication is added; x == x or isnan(x)
-  is True for every float and is not folded away by XLA.
+  stack's update with this value, computed from the stack's lookup result,
+  makes the update depend on the lookup. Each device's entry reads only its
+  own rows of the activations (the batch is sharded over the same G
+  devices), so no communication is added; x == x or isnan(x) is True for
+  every float and is not folded away by XLA.
   """
-  ordered = jnp.ones((num_devices,), bool)
-  for features in activations:
-    probe = features.reshape(num_devices, -1)[:, 0]
-    ordered = ordered & ((probe == probe) | jnp.isnan(probe))
-  return ordered
+  probe = stacked_activations.reshape(num_devices, -1)[:, 0]
+  return (probe == probe) | jnp.isnan(probe)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +141,15 @@ class StepFunctions:
     return embedding_lookup(self.plan, state.embeddings.tables, batch.sparse,
                             backend=self.backend)
 
+  def lookup_stacks(self, state: TrainState, batch: DeviceBatch) -> dict[str, jax.Array]:
+    return stacked_lookup(self.plan, state.embeddings.tables, batch.sparse, backend=self.backend)
+
+  def feature_activations(self, stacked: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    return split_stacked_activations(self.plan, stacked)
+
+  def stacked_activations(self, activations: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    return stack_activations(self.plan, activations)
+
   def dense_grads(self, state: TrainState, activations: dict[str, jax.Array], batch: DeviceBatch):
     """Dense forward/backward at (theta_k, a_k): (loss, metrics, dL/dtheta, dL/da)."""
 
@@ -147,9 +165,9 @@ class StepFunctions:
                   after: dict[str, jax.Array] | None = None) -> tuple[TrainState, dict]:
     """Both updates from `dense_grads`' result.
 
-    `after`: activations (feature -> [B, D]) looked up from the same tables
-    in the same program; each stack's in-place update is ordered after the
-    lookup of its features (see `_ordered`).
+    `after`: stacked activations (stack name -> `stacked_lookup`'s array)
+    looked up from the same tables in the same program; each stack's
+    in-place update is ordered after that lookup (see `_ordered`).
     """
     loss, metrics, param_grads, activation_grads = grads
     params, opt_state = dense_update(
@@ -163,8 +181,7 @@ class StepFunctions:
     for name in batch.sparse:
       apply[name] = finite
       if after is not None:
-        features = [f.name for f in self.plan.layout.stack(name).features]
-        ordered = _ordered([after[f] for f in features], self.plan.num_devices)
+        ordered = _ordered(after[name], self.plan.num_devices)
         apply[name] = finite & ordered[:, None, None]
     embeddings = sparse_update(
         self.plan, state.embeddings, batch.sparse, activation_grads, state.step, apply=apply,
@@ -184,19 +201,20 @@ class StepFunctions:
     return self.apply_update(state, self.lookup(state, batch), batch)
 
   def prime_body(self, state: TrainState, batch: DeviceBatch) -> dict[str, jax.Array]:
-    return self.lookup(state, batch)
+    return self.lookup_stacks(state, batch)
 
-  def pipelined_body(self, state: TrainState, activations: dict[str, jax.Array],
+  def pipelined_body(self, state: TrainState, stacked_activations: dict[str, jax.Array],
                      batch: DeviceBatch, next_batch: DeviceBatch):
     # The lookup of batch k+1 and the dense step of batch k are independent;
     # the in-place table update follows both.
-    next_activations = self.lookup(state, next_batch)
-    grads = self.dense_grads(state, activations, batch)
-    state, metrics = self.apply_grads(state, batch, grads, after=next_activations)
-    return state, next_activations, metrics
+    next_stacked = self.lookup_stacks(state, next_batch)
+    grads = self.dense_grads(state, self.feature_activations(stacked_activations), batch)
+    state, metrics = self.apply_grads(state, batch, grads, after=next_stacked)
+    return state, next_stacked, metrics
 
   def drain_body(self, state: TrainState, in_flight: InFlight):
-    return self.apply_update(state, in_flight.activations, in_flight.batch)
+    return self.apply_update(state, self.feature_activations(in_flight.stacked_activations),
+                             in_flight.batch)
 
   def predict_body(self, state: TrainState, batch: DeviceBatch):
     activations = self.lookup(state, batch)
@@ -217,6 +235,8 @@ class StepFunctions:
         pipelined_jit=jax.jit(self.pipelined_body, donate_argnums=(0,)),
         drain=jax.jit(self.drain_body, donate_argnums=(0,)),
         predict=jax.jit(self.predict_body),
+        feature_activations=jax.jit(self.feature_activations),
+        stacked_activations=jax.jit(self.stacked_activations),
     )
 
 
@@ -224,19 +244,24 @@ class StepFunctions:
 class CompiledSteps:
   """The jitted steps. The in-flight batch never passes through a compiled
   program's outputs (that would copy it every step): the pipelined step
-  returns only the new activations, and the InFlight is assembled here."""
+  returns only the new activations, and the InFlight is assembled here.
+  `feature_activations` / `stacked_activations` convert an in-flight batch's
+  activations between the carried per-stack form and features (checkpoints
+  store them per feature)."""
 
   sync: Callable[..., Any]
   prime_jit: Callable[..., Any]
   pipelined_jit: Callable[..., Any]
   drain: Callable[..., Any]
   predict: Callable[..., Any]
+  feature_activations: Callable[..., Any]
+  stacked_activations: Callable[..., Any]
 
   def prime(self, state: TrainState, batch: DeviceBatch) -> InFlight:
     return InFlight(self.prime_jit(state, batch), batch)
 
   def pipelined(self, state: TrainState, in_flight: InFlight, next_batch: DeviceBatch):
-    state, activations, metrics = self.pipelined_jit(
-        state, in_flight.activations, in_flight.batch, next_batch
+    state, stacked, metrics = self.pipelined_jit(
+        state, in_flight.stacked_activations, in_flight.batch, next_batch
     )
-    return state, InFlight(activations, next_batch), metrics
+    return state, InFlight(stacked, next_batch), metrics

@@ -29,7 +29,14 @@ from pipelining._fit_loop import (
     pipelined_steps,
     sync_steps,
 )
-from pipelining._in_flight import SavedInFlight, Staged, id_rows, local_inputs, rows_tree
+from pipelining._in_flight import (
+    FeatureInFlight,
+    SavedInFlight,
+    Staged,
+    id_rows,
+    local_inputs,
+    rows_tree,
+)
 from pipelining._metrics import roc_auc
 from pipelining._model import DenseModel, as_dense_model
 from pipelining._placement import any_process, global_batch, to_global, to_host
@@ -327,22 +334,25 @@ class Trainer:
       return
     if self.state is not None and int(self.state.step) >= step:
       return
-    template = InFlight(
+    template = FeatureInFlight(
         {f.name: jax.ShapeDtypeStruct(f.output_shape, self.config.table_dtype,
                                       sharding=self._batch_sharding())
          for f in self.plan.feature_specs},
         example,
     )
     train, saved, data = self._checkpoints.restore(step, self.state, template)
-    in_flight, ids = saved, None
+    in_flight, ids = None, None
     if isinstance(saved, SavedInFlight):
       # Preprocessed again for this layout, from this process's samples.
       ids = local_inputs(saved.ids, self.plan.feature_specs, self._local_devices,
                          self.plan.num_devices)
-      in_flight = InFlight(saved.activations,
-                           DeviceBatch(self._place(self._preprocess(ids), None, None).sparse,
-                                       saved.dense, saved.labels))
-      self._checkpoints.track(in_flight.batch.sparse)  # Its update is still to apply.
+      saved = FeatureInFlight(
+          saved.activations,
+          DeviceBatch(self._place(self._preprocess(ids), None, None).sparse, saved.dense,
+                      saved.labels))
+      self._checkpoints.track(saved.batch.sparse)  # Its update is still to apply.
+    if saved is not None:
+      in_flight = InFlight(self._steps.stacked_activations(saved.activations), saved.batch)
     self._loop = LoopState(train, in_flight, ids, own_position(data))
     history.resumed_from = step
     history.skipped_batches = list(data.get("skipped", []))
@@ -627,14 +637,17 @@ class Trainer:
       callback.on_save(self, step)
     return saved
 
-  def _saved_in_flight(self, state: LoopState) -> SavedInFlight | InFlight | None:
+  def _saved_in_flight(self, state: LoopState) -> SavedInFlight | FeatureInFlight | None:
     """The in-flight batch in its layout-free form (`pipelining._in_flight`).
 
     A batch restored from a layout-specific checkpoint has no raw ids: it is
     saved in that form again.
     """
-    if state.in_flight is None or state.in_flight_ids is None:
-      return state.in_flight
+    if state.in_flight is None:
+      return None
+    activations = self._steps.feature_activations(state.in_flight.stacked_activations)
+    if state.in_flight_ids is None:
+      return FeatureInFlight(activations, state.in_flight.batch)
     local = len(self._local_devices)
     rows = id_rows(state.in_flight_ids, self.plan.feature_specs,
                    padding_id=self.config.padding_id, share=local,
@@ -642,7 +655,7 @@ class Trainer:
     ids = to_global(rows_tree(rows), self._batch_sharding(), self.plan.num_devices, local,
                     "in-flight ids")
     batch = state.in_flight.batch
-    return SavedInFlight(dict(state.in_flight.activations), batch.dense, batch.labels, ids)
+    return SavedInFlight(dict(activations), batch.dense, batch.labels, ids)
 
   def _wait_for_saves(self) -> None:
     if self._checkpoints is not None:

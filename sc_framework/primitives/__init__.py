@@ -1,6 +1,12 @@
 """Device-side primitives: sparse lookup and the fused sparse update."""
 
-from sc_framework.primitives._api import apply_embedding_gradients, embedding_lookup
+from sc_framework.primitives._api import (
+    apply_embedding_gradients,
+    embedding_lookup,
+    split_stacked_activations,
+    stack_activations,
+    stacked_lookup,
+)
 from sc_framework.primitives._backend import (
     CPU_BACKEND,
     XLA_BACKEND,
@@ -27,6 +33,9 @@ __all__ = [
     "init_embedding_variables",
     "table_seed",
     "embedding_lookup",
+    "stacked_lookup",
+    "split_stacked_activations",
+    "stack_activations",
     "apply_embedding_gradients",
     "EmbeddingBackend",
     "PortableCpuBackendWarning",

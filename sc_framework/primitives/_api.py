@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 
 from sc_framework.preprocessing._batch import StackBatch
+from sc_framework.primitives import _sharded
 from sc_framework.primitives._backend import EmbeddingBackend, get_backend
 from sc_framework.primitives._plan import EmbeddingPlan
 from sc_framework.primitives._state import EmbeddingVariables
@@ -41,23 +42,71 @@ def embedding_lookup(
     feature name -> [batch, D] ([batch, L, D] for a sequence feature)
     activations, sharded over the batch.
   """
-  activations = get_backend(backend, plan).lookup(plan, tables, batch)
-  return {
-      name: value.reshape(plan.feature(name).output_shape) for name, value in activations.items()
-  }
+  return _shaped(plan, get_backend(backend, plan).lookup(plan, tables, batch))
 
 
-def _stacked_grads(plan: EmbeddingPlan, activation_grads: dict[str, jax.Array]):
-  """[B, D] or [B, L, D] gradients -> the backends' [stacked samples, D] form."""
+def stacked_lookup(
+    plan: EmbeddingPlan,
+    tables: dict[str, jax.Array],
+    batch: dict[str, StackBatch],
+    *,
+    backend: str | EmbeddingBackend = "auto",
+) -> dict[str, jax.Array]:
+  """`embedding_lookup`'s activations as each stack holds them, one array per stack.
+
+  Stack s's array is [G * B_s, D'] (B_s: the stack's samples per device,
+  D' its padded width), sharded over the batch: device g's block of B_s
+  rows holds its B_f / G samples of each feature f of the stack, feature
+  after feature in the stack's order, in the feature's first D_f columns
+  (a sequence feature's samples as B * L positions). It is the lookup's own
+  result before it is cut into features, so a program that keeps
+  activations for a later program (the pipelined Trainer) keeps one buffer
+  per stack and copies nothing; `split_stacked_activations` gives
+  `embedding_lookup`'s result from it.
+  """
+  chosen = get_backend(backend, plan)
+  if chosen.lookup_stacks is not None:
+    return chosen.lookup_stacks(plan, tables, batch)
+  return _sharded.join_stacks(plan, chosen.lookup(plan, tables, batch))
+
+
+def split_stacked_activations(plan: EmbeddingPlan,
+                              stacked: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """`stacked_lookup`'s result -> feature name -> activations (as `embedding_lookup`)."""
+  return _shaped(plan, _sharded.split_stacks(plan, stacked))
+
+
+def stack_activations(plan: EmbeddingPlan,
+                      activations: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """Feature name -> activations (as `embedding_lookup`) -> `stacked_lookup`'s form.
+
+  The inverse of `split_stacked_activations` (padding columns are zeros).
+  """
+  return _sharded.join_stacks(plan, _as_rows(plan, activations, "activations"))
+
+
+def _shaped(plan: EmbeddingPlan, rows: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """Feature -> [S_f, D_f] (the backends' form) -> its output_shape."""
+  return {name: value.reshape(plan.feature(name).output_shape) for name, value in rows.items()}
+
+
+def _as_rows(plan: EmbeddingPlan, arrays: dict[str, jax.Array], what: str):
+  """Feature -> [B, D] or [B, L, D] -> the backends' [stacked samples, D] form.
+
+  `what` names the argument in the error (e.g. "activation_grads").
+  """
+  missing = [f.name for f in plan.feature_specs if f.name not in arrays]
+  if missing:
+    raise ValueError(f"{what} is missing features {missing}.")
   out = {}
   for feature in plan.feature_specs:
-    grad = activation_grads[feature.name]
-    if tuple(grad.shape) != feature.output_shape:
+    array = arrays[feature.name]
+    if tuple(array.shape) != feature.output_shape:
       raise ValueError(
-          f"activation_grads[{feature.name!r}] has shape {tuple(grad.shape)} but the feature's"
-          f" output_shape is {feature.output_shape}; pass dL/da with the activations' shape."
+          f"{what}[{feature.name!r}] has shape {tuple(array.shape)} but the feature's"
+          f" output_shape is {feature.output_shape}; pass arrays with the activations' shape."
       )
-    out[feature.name] = grad.reshape(feature.stacked_batch_size, feature.output_shape[-1])
+    out[feature.name] = array.reshape(feature.stacked_batch_size, feature.output_shape[-1])
   return out
 
 
@@ -94,9 +143,6 @@ def apply_embedding_gradients(
   Returns:
     The updated EmbeddingVariables.
   """
-  missing = [f.name for f in plan.feature_specs if f.name not in activation_grads]
-  if missing:
-    raise ValueError(f"activation_grads is missing features {missing}.")
   return get_backend(backend, plan).apply_gradients(
-      plan, variables, batch, _stacked_grads(plan, activation_grads), step
+      plan, variables, batch, _as_rows(plan, activation_grads, "activation_grads"), step
   )

@@ -50,6 +50,11 @@ class EmbeddingBackend:
     supports: plan -> whether this backend can run it (e.g. TPU devices only).
     priority: "auto" tries higher priorities first.
     description: a few words for users (e.g. in the Trainer's start-up line).
+    lookup_stacks: optional (plan, tables, batch) -> stack name -> the
+      stack's activations as one [G * B_s, D'] array (device g's block holds
+      its samples of every feature of the stack, feature after feature, in
+      the stack's order; `stacked_lookup`). Without it they are joined from
+      `lookup`'s result, which costs one copy.
   """
 
   name: str
@@ -58,6 +63,7 @@ class EmbeddingBackend:
   supports: Callable[[EmbeddingPlan], bool] = lambda plan: True
   priority: int = 0
   description: str = ""
+  lookup_stacks: Callable[..., Any] | None = None
 
 
 class PortableCpuBackendWarning(RuntimeWarning):
@@ -90,12 +96,14 @@ def _all_cpu(plan: EmbeddingPlan) -> bool:
   return _on_cpu(plan) and cpu_kernels_available()
 
 
-XLA_BACKEND = EmbeddingBackend("xla", _sharded.lookup, _sharded.apply_gradients, priority=0,
+XLA_BACKEND = EmbeddingBackend("xla", _sharded.lookup, _sharded.apply_gradients,
+                               lookup_stacks=_sharded.lookup_stacks, priority=0,
                                description="portable XLA ops")
 CPU_BACKEND = EmbeddingBackend(
     "cpu",
     functools.partial(_sharded.lookup, ops=CPU_KERNEL_OPS),
     functools.partial(_sharded.apply_gradients, ops=CPU_KERNEL_OPS),
+    lookup_stacks=functools.partial(_sharded.lookup_stacks, ops=CPU_KERNEL_OPS),
     supports=_all_cpu,
     priority=1,
     description="multi-threaded C++ kernels",

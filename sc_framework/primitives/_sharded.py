@@ -25,6 +25,10 @@ No array of the size of a table is created: temporaries are O(N * U * D').
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -152,26 +156,67 @@ def _local_update(
   return table, slot_arrays
 
 
+def _lookup(plan: EmbeddingPlan, tables: dict[str, jax.Array], batch: dict[str, StackBatch],
+            ops: RowOps, per_device: Callable[..., Any]) -> dict[str, Any]:
+  """Runs each stack's lookup on every device; `per_device(stack, [B_loc, D'])`
+  shapes the device's result (the stacked activations or their features)."""
+  rows = PartitionSpec(plan.axis_name)
+  out = {}
+  for stack in plan.layout.stacks:
+
+    def body(table, unique_rows, samples, unique_index, gains, stack=stack):
+      return per_device(stack, _local_lookup(
+          plan, ops, stack, table, unique_rows, samples, unique_index, gains
+      ))
+
+    mapped = jax.shard_map(
+        body, mesh=plan.mesh, in_specs=(rows,) * 5, out_specs=rows, check_vma=False
+    )
+    out[stack.name] = mapped(tables[stack.name], *batch[stack.name])
+  return out
+
+
 def lookup(
     plan: EmbeddingPlan, tables: dict[str, jax.Array], batch: dict[str, StackBatch],
     *, ops: RowOps = XLA_OPS,
 ) -> dict[str, jax.Array]:
   """Activations per feature; see `sc_framework.primitives.embedding_lookup`."""
+  by_stack = _lookup(plan, tables, batch, ops,
+                     lambda stack, activations: _split_features(plan, stack, activations))
+  return {name: value for features in by_stack.values() for name, value in features.items()}
+
+
+def lookup_stacks(
+    plan: EmbeddingPlan, tables: dict[str, jax.Array], batch: dict[str, StackBatch],
+    *, ops: RowOps = XLA_OPS,
+) -> dict[str, jax.Array]:
+  """Stacked activations per stack; see `sc_framework.primitives.stacked_lookup`."""
+  return _lookup(plan, tables, batch, ops, lambda stack, activations: activations)
+
+
+def split_stacks(plan: EmbeddingPlan, stacked: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """Stack name -> [G * B_s, D'] stacked activations -> feature -> [S_f, D_f]."""
   rows = PartitionSpec(plan.axis_name)
   out = {}
   for stack in plan.layout.stacks:
-    stack_batch = batch[stack.name]
-
-    def body(table, unique_rows, samples, unique_index, gains, stack=stack):
-      activations = _local_lookup(
-          plan, ops, stack, table, unique_rows, samples, unique_index, gains
-      )
-      return _split_features(plan, stack, activations)
-
     mapped = jax.shard_map(
-        body, mesh=plan.mesh, in_specs=(rows,) * 5, out_specs=rows, check_vma=False
+        functools.partial(_split_features, plan, stack), mesh=plan.mesh, in_specs=rows,
+        out_specs=rows, check_vma=False,
     )
-    out.update(mapped(tables[stack.name], *stack_batch))
+    out.update(mapped(stacked[stack.name]))
+  return out
+
+
+def join_stacks(plan: EmbeddingPlan, features: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """Feature -> [S_f, D_f] -> stack name -> [G * B_s, D'] (the inverse of `split_stacks`)."""
+  rows = PartitionSpec(plan.axis_name)
+  out = {}
+  for stack in plan.layout.stacks:
+    mapped = jax.shard_map(
+        functools.partial(_join_features, plan, stack), mesh=plan.mesh, in_specs=rows,
+        out_specs=rows, check_vma=False,
+    )
+    out[stack.name] = mapped({f.name: features[f.name] for f in stack.features})
   return out
 
 

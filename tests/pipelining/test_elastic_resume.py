@@ -20,6 +20,7 @@ import pytest
 from checkpoint import IncompatibleCheckpointError
 from pipelining import NonFiniteLossError, Trainer
 from pipelining._checkpointing import LAYOUT_SPECIFIC_FORMAT, TrainerCheckpoints
+from pipelining._in_flight import FeatureInFlight
 from sc_framework.optimizers import Adagrad
 from sc_framework.preprocessing import RaggedRows
 from sc_framework.stacking import unstack
@@ -151,7 +152,10 @@ def write_layout_specific_checkpoint(workdir, batches):
   trainer.fit(batches, callbacks=[stop_at(STOP)])
   state = trainer._loop
   checkpoints = TrainerCheckpoints(workdir, trainer.plan, keep=3)
-  checkpoints.save(STOP, state.train, state.in_flight, dict(state.data), pipelining=True)
+  in_flight = FeatureInFlight(
+      trainer._steps.feature_activations(state.in_flight.stacked_activations),
+      state.in_flight.batch)
+  checkpoints.save(STOP, state.train, in_flight, dict(state.data), pipelining=True)
   checkpoints.wait()
   assert checkpoints.read_meta(STOP)["format"] == LAYOUT_SPECIFIC_FORMAT
   checkpoints.close()

@@ -57,7 +57,7 @@ def test_pipelined_step_keeps_no_copy_of_the_tables(optimizer, devices):
   assert table_bytes >= VOCAB * (8 + 16) * 4 // devices  # padded dims 8 and 16, float32
   for name, step, args in (
       ("pipelined", trainer._steps.pipelined_jit,
-       (trainer.state, in_flight.activations, first, second)),
+       (trainer.state, in_flight.stacked_activations, first, second)),
       ("sync", trainer._steps.sync, (trainer.state, first)),
   ):
     temp = step.lower(*args).compile().memory_analysis().temp_size_in_bytes
@@ -78,10 +78,10 @@ def test_pipelined_step_copies_no_in_flight_activation():
   first, second = trainer.prepare(batches[0]), trainer.prepare(batches[1])
   in_flight = trainer._steps.prime(trainer.state, first)
   text = trainer._steps.pipelined_jit.lower(
-      trainer.state, in_flight.activations, first, second).compile().as_text()
+      trainer.state, in_flight.stacked_activations, first, second).compile().as_text()
   parameters = {line.split(" = ")[0].strip().lstrip("%") for line in text.splitlines()
                 if " parameter(" in line and "activations" in line.split(" = ")[0]}
-  assert len(parameters) == len(in_flight.activations)
+  assert len(parameters) == len(in_flight.stacked_activations) == len(trainer.plan.layout.stacks)
   copied = [line.strip() for line in text.splitlines()
             if " copy(" in line and any(f"copy(%{name})" in line for name in parameters)]
   assert not copied, copied

@@ -40,11 +40,17 @@ from sc_framework.optimizers import (
 )
 from sc_framework.preprocessing import DenseIds, RaggedIds, RaggedRows, SparseIds, preprocess
 from sc_framework.primitives import (
+    EmbeddingBackend,
     EmbeddingPlan,
     EmbeddingVariables,
     apply_embedding_gradients,
+    available_backends,
     embedding_lookup,
+    get_backend,
     init_embedding_variables,
+    split_stacked_activations,
+    stack_activations,
+    stacked_lookup,
 )
 from sc_framework.stacking import logical_to_global_rows, unstack
 from tests.numerics import assert_close, assert_same_bits
@@ -641,6 +647,71 @@ def test_eight_devices_equal_one_device(opt_name, geometry, combiners):
       assert_close(b.tables[name], a.tables[name], terms=terms, steps=step + 1)
       for slot in a.slots:
         assert_close(b.slots[slot][name], a.slots[slot][name], terms=terms, steps=step + 1)
+
+
+# --- the lookup's per-stack form (what the pipelined Trainer carries) --------------
+
+
+@pytest.mark.parametrize("geometry", ["1x1", "8x2"])
+@pytest.mark.parametrize("seed", [3, 4])
+def test_stacked_lookup_holds_each_features_activations_in_its_rows(geometry, seed):
+  """stacked_lookup is embedding_lookup before the cut into features: split,
+  it gives the same activations bit for bit (the same combine), and it puts
+  feature f's samples of device g at the rows the layout says; joining the
+  features again restores it exactly (padding columns are zeros)."""
+  features = _features(SGD(0.5), ("sum", "mean"))
+  plan = _plan(features, *GEOMETRIES[geometry])
+  rng = np.random.default_rng(seed)
+  variables = init_embedding_variables(plan, jax.random.key(seed))
+  raw = _random_batch(rng, features)
+  batch, _ = preprocess(raw.inputs, features, plan.layout, padding_id=PADDING_ID)
+  tables = _snapshot(plan, variables).tables
+  expected = _dense_activations(tables, raw, features)
+  devices = plan.num_devices
+  for name in available_backends():
+    backend = get_backend(name, plan) if name != "auto" else None
+    if backend is None or not backend.supports(plan):
+      continue
+    # The same backend without its own per-stack lookup: joined from `lookup`.
+    joined_backend = EmbeddingBackend(f"{name}-joined", backend.lookup, backend.apply_gradients)
+    per_feature = jax.jit(lambda t, b: embedding_lookup(plan, t, b, backend=backend))(
+        variables.tables, batch)
+    for chosen in (backend, joined_backend):
+      stacked = jax.jit(lambda t, b: stacked_lookup(plan, t, b, backend=chosen))(
+          variables.tables, batch)
+      split = jax.jit(lambda s: split_stacked_activations(plan, s))(stacked)
+      assert set(split) == set(per_feature)
+      for feature in features:
+        assert_same_bits(split[feature.name], per_feature[feature.name])
+        assert_close(split[feature.name], expected[feature.name],
+                     terms=_sum_terms(features))
+      for stack in plan.layout.stacks:
+        array = np.asarray(stacked[stack.name])
+        width = stack.padded_embedding_dim
+        blocks = array.reshape(devices, -1, width)
+        for feature in stack.features:
+          spec = plan.feature(feature.name)
+          per_device = feature.batch_size // devices
+          start = feature.sample_offset // devices
+          dim = spec.table.embedding_dim
+          rows = blocks[:, start:start + per_device]
+          assert_same_bits(rows[..., :dim].reshape(-1, dim),
+                           np.asarray(per_feature[feature.name]).reshape(-1, dim))
+          assert not rows[..., dim:].any(), (stack.name, feature.name)
+      again = jax.jit(lambda a: stack_activations(plan, a))(per_feature)
+      for stack_name, array in stacked.items():
+        assert_same_bits(again[stack_name], array)
+        assert again[stack_name].sharding.is_equivalent_to(array.sharding, array.ndim)
+
+
+def test_stack_activations_refuses_missing_or_misshapen_features():
+  features = _features(SGD(0.5), ("sum", "mean"))
+  plan = _plan(features, 1, 1)
+  good = {f.name: jnp.ones(f.output_shape) for f in features}
+  with pytest.raises(ValueError, match=r"activations is missing features \['b_coo'\]"):
+    stack_activations(plan, {k: v for k, v in good.items() if k != "b_coo"})
+  with pytest.raises(ValueError, match=r"activations\['a_dense'\] has shape \(32, 3\)"):
+    stack_activations(plan, {**good, "a_dense": jnp.ones((32, 3))})
 
 
 # --- memory: the update is in place, temporaries O(batch), not O(table) ------------
