@@ -314,7 +314,11 @@ class Trainer:
                        for s in self.plan.layout.stacks},
         "config": {k: describe(v) for k, v in dataclasses.asdict(self.config).items()
                    if k not in _LOCAL_OPTIONS},
-    })
+        # Chosen per process ("auto"): processes with different backends would
+        # run different programs and wait for each other forever.
+        "backend": self.backend.name,
+    }, hint="A process whose C++ CPU kernels are not built chooses the 'xla' backend where the"
+            " others choose 'cpu': build the kernels on every host, or pass the same backend=.")
 
   def _check_shapes(self, example: DeviceBatch) -> None:
     """With several processes: the same global batch and parameter shapes everywhere."""

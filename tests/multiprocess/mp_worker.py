@@ -16,6 +16,8 @@ process). CONFIG keys:
   fail          {"process": p, "step": k, "how": "kill" | "raise"}: process
                 p SIGKILLs itself or raises after step k, or null.
   learning_rate per process id (a disagreeing job), or one number.
+  no_kernels    a process that behaves as if its C++ CPU kernels were not
+                built (it chooses the portable backend), or null.
   short         a process that feeds one batch less than the others, or null.
   late          {"process": p, "seconds": s}: process p sleeps s seconds
                 before it builds its Trainer, or null.
@@ -70,6 +72,10 @@ def run(config):
   late = config.get("late")
   if late and late["process"] == process:
     time.sleep(late["seconds"])
+  if config.get("no_kernels") == process:
+    from sc_framework.primitives import _backend
+
+    _backend.cpu_kernels_available = lambda: False
   rate = config.get("learning_rate", 0.3)
   if isinstance(rate, list):
     rate = rate[process]

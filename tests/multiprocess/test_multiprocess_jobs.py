@@ -35,6 +35,7 @@ from mp_model import (
     state_arrays,
 )
 from sc_framework.primitives import EmbeddingPlan
+from sc_framework.primitives._row_ops import cpu_kernels_available
 from sc_framework.stacking import unstack
 from tests.numerics import assert_close, assert_same_bits
 
@@ -250,6 +251,20 @@ def test_processes_that_disagree_fail_naming_the_difference(tmp_path):
   assert len(named) == len(outcomes), describe(outcomes)
   # Exit status 1 from the fail-fast exit, or a signal when the runtime ends a
   # process that has already printed its error once the coordinator is gone.
+  assert all(outcome.returncode not in (0, None) for outcome in outcomes), describe(outcomes)
+
+
+@pytest.mark.skipif(not cpu_kernels_available(), reason="needs the C++ CPU kernels")
+def test_processes_that_choose_different_backends_fail_naming_them(tmp_path):
+  """A host without the built kernels picks the portable backend under "auto";
+  the job must stop naming it, not hang in programs that differ."""
+  outcomes = run_failing(tmp_path, no_kernels=1)
+  named = [
+      outcome for outcome in outcomes
+      if "processes disagree on the trainer setup: process 0 has backend = 'cpu' but process 1"
+         " has 'xla'" in outcome.stderr and "build the kernels on every host" in outcome.stderr
+  ]
+  assert len(named) == len(outcomes), describe(outcomes)
   assert all(outcome.returncode not in (0, None) for outcome in outcomes), describe(outcomes)
 
 
