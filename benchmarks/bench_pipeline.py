@@ -161,8 +161,9 @@ CASES = {"dlrm": dlrm_case, "tables26": tables26_case}
 
 
 def make_trainer(case: Case, pipelining: bool) -> Trainer:
+  # host_memory="keep", as the examples train.
   return Trainer(case.model, case.specs, case.loss_fn, optax.adam(1e-3), pipelining=pipelining,
-                 padding_id=-1, progress="off")
+                 padding_id=-1, progress="off", host_memory="keep")
 
 
 class StepTimes(Callback):

@@ -61,9 +61,11 @@ class TrainerConfig:
     allow_id_dropping: passed to preprocessing; when False an overflowing
       partition raises.
     host_memory: "system" (default) leaves the process's malloc alone. On
-      CPU devices, "keep" makes glibc keep freed memory for reuse so each
-      step's large temporaries do not page-fault anew (faster embedding steps
-      on large tables; the resident memory stays at its peak). It is a
+      CPU devices, "keep" makes glibc keep freed memory for reuse, and serve
+      every thread from one heap, so each step's large temporaries do not
+      page-fault anew (faster embedding steps on large tables; the resident
+      memory stays at its peak). Threads that allocated before the Trainer
+      was built keep their own heaps: build it before other programs run. It is a
       process-wide setting (`sc_framework.host_allocator`), so it is only
       made when asked for here.
     save_on_nonfinite: save a checkpoint of the last finite state before

@@ -129,16 +129,18 @@ class Trainer:
       mesh = default_mesh(axis_name)
     if axis_name not in mesh.shape:
       raise ValueError(f"mesh has no axis {axis_name!r}; its axes are {mesh.axis_names}.")
+    if self.config.host_memory == "keep" and all(
+        device.platform == "cpu" for device in mesh.devices.flat
+    ):
+      # Before any program of this Trainer runs (the backend's probe is one):
+      # threads that allocate after it share the heap (see host_allocator).
+      keep_freed_memory()
     layout = layout_for_stacking(self.config.stacking, self._features.specs,
                                  mesh.shape[axis_name], self.config.shards_per_device)
     self.plan = EmbeddingPlan.create(self._features.specs, mesh=mesh, axis_name=axis_name,
                                      layout=layout)
     self._local_devices = self.plan.local_devices()
     self.backend = get_backend(self.config.backend, self.plan)
-    if self.config.host_memory == "keep" and all(
-        device.platform == "cpu" for device in self.plan.mesh.devices.flat
-    ):
-      keep_freed_memory()
     self._check_setup()
     self._model = model
     self._loss_fn = loss_fn

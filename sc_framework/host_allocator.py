@@ -12,6 +12,13 @@ free, so every step touches those pages anew and pays a page fault per 4 KB:
 for a 26-table DLRM step that is most of the step time. `keep_freed_memory`
 tells glibc to serve every block from its heap and to keep freed memory for
 reuse, so after the first step the temporaries live in pages already mapped.
+XLA allocates on its worker threads, and glibc gives each thread an arena of
+its own whose heaps are at most 64 MB: a block that does not fit is mmap'd
+regardless of M_MMAP_MAX, and a heap that empties is unmapped whatever the
+trim threshold. So `keep_freed_memory` also limits glibc to one arena (the
+main heap, grown with brk, has neither limit). Threads that allocated before
+the call keep the arena they have: call it early (before the first jitted
+step), as the Trainer does when it is built.
 
 The cost: the process's resident memory stays at its peak instead of
 shrinking after large temporaries are freed. The setting is process-wide and
@@ -28,6 +35,7 @@ import sys
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _M_MMAP_MAX = -4
+_M_ARENA_MAX = -8
 _MAX_INT = 2**31 - 1
 
 
@@ -50,8 +58,10 @@ def _libc():
 def keep_freed_memory() -> bool:
   """Makes glibc malloc reuse freed memory instead of unmapping it.
 
-  Sets M_MMAP_MAX = 0 (no per-block mmap; every block comes from the heap)
-  and M_TRIM_THRESHOLD to its maximum (freed heap memory is kept). Idempotent.
+  Sets M_MMAP_MAX = 0 (no per-block mmap; every block comes from the heap),
+  M_TRIM_THRESHOLD to its maximum (freed heap memory is kept) and
+  M_ARENA_MAX = 1 (threads that have not allocated yet share the main heap;
+  see the module docstring). Idempotent.
 
   Returns:
     True if the allocator was configured, False where glibc's mallopt is not
@@ -62,6 +72,7 @@ def keep_freed_memory() -> bool:
     return False
   ok = libc.mallopt(_M_MMAP_MAX, 0) == 1
   ok &= libc.mallopt(_M_TRIM_THRESHOLD, _MAX_INT) == 1
+  ok &= libc.mallopt(_M_ARENA_MAX, 1) == 1
   return bool(ok)
 
 
