@@ -361,8 +361,7 @@ def _write_unstacked(reader, out, storage, block_bytes, progress) -> None:
         row_bytes = info.shape[1] * np.dtype(dtype).itemsize
         for start, stop in _blocks(info.shape[0], info.chunk_rows, row_bytes, block_bytes):
           data = writer.buffer((stop - start, info.shape[1]), dtype)
-          rows = np.arange(start, stop, dtype=np.int64)
-          reader.fill_rows(data, [(group.name, slot, rows, np.arange(stop - start))])
+          reader.fill_strided_rows(data, [(group.name, slot, start, 1, stop - start, 0)])
           yield group.name, slot, start, data, _what(group.name, slot, start, stop)
 
   _written(writer, blocks())

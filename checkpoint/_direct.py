@@ -126,6 +126,73 @@ def gather_rows_direct(
   return True
 
 
+def copy_strided_direct(
+    path: epath.Path,
+    shape: tuple[int, int],
+    chunk_rows: int,
+    runs,
+    out: np.ndarray,
+    columns: int,
+    cache: "ChunkCache | None" = None,
+) -> bool:
+  """`gather_rows_direct` of rows given as strided runs, without per-row arrays.
+
+  Each run (row, row_step, count, out_row, out_step) copies stored rows
+  row + row_step m, columns [0, columns), to out[out_row + out_step m] for
+  m < count. A run is cut at chunk boundaries into pieces, each one strided
+  slice copy; the pieces are visited chunk by chunk, so a chunk is read once
+  per call (or taken from `cache`), and a chunk that one piece takes whole,
+  in order, to consecutive full-width rows is read straight into `out`. Same
+  applicability as `gather_rows_direct`; returns False (nothing read)
+  otherwise, or when the runs step over more chunks than rows they copy
+  (rows further apart than a chunk: `gather_rows_direct` does better).
+  """
+  text = os.fspath(path)
+  if "://" in text or out.dtype.byteorder == ">" or shape[0] % chunk_rows:
+    return False
+  runs = [run for run in runs if run[2] > 0]
+  spans = [(row_step * (count - 1)) // chunk_rows + 2 for _, row_step, count, _, _ in runs]
+  if sum(spans) > max(16, sum(run[2] for run in runs) // 4):
+    return False
+  pieces = []  # (chunk, first row in the chunk, row step, count, out row, out step)
+  for row, row_step, count, out_row, out_step in runs:
+    m = 0
+    while m < count:
+      first = row + row_step * m
+      chunk = first // chunk_rows
+      end = min(count, -(-((chunk + 1) * chunk_rows - row) // row_step))
+      pieces.append((chunk, first - chunk * chunk_rows, row_step, end - m, out_row + out_step * m, out_step))
+      m = end
+  pieces.sort(key=lambda piece: piece[0])
+  whole_rows = columns == shape[1] == out.shape[1] and out.flags.c_contiguous
+  scratch = None
+  index = 0
+  while index < len(pieces):
+    chunk = pieces[index][0]
+    end = index + 1
+    while end < len(pieces) and pieces[end][0] == chunk:
+      end += 1
+    file = os.path.join(text, "c", str(chunk), "0")
+    _, offset, row_step, count, out_row, out_step = pieces[index]
+    if end == index + 1 and whole_rows and offset == 0 and count == chunk_rows and row_step == out_step == 1:
+      _read_chunk(file, out[out_row : out_row + chunk_rows].reshape(-1).view(np.uint8))
+      index = end
+      continue
+    if cache is not None:
+      data = cache.get(file, (chunk_rows, shape[1]), out.dtype)
+    else:
+      if scratch is None:
+        scratch = np.empty((chunk_rows, shape[1]), out.dtype)
+      _read_chunk(file, scratch.reshape(-1).view(np.uint8))
+      data = scratch
+    for _, offset, row_step, count, out_row, out_step in pieces[index:end]:
+      out[out_row : out_row + out_step * (count - 1) + 1 : out_step, :columns] = data[
+          offset : offset + row_step * (count - 1) + 1 : row_step, :columns
+      ]
+    index = end
+  return True
+
+
 def _whole_chunk_in_order(
     rows: np.ndarray, out_rows: np.ndarray, chunk: int, chunk_rows: int
 ) -> bool:
