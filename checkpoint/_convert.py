@@ -140,9 +140,9 @@ def convert(
     else:
       out = tmp
     if target == "unstacked":
-      _write_unstacked(reader, out, storage, block_bytes, progress)
+      _write_unstacked(reader, out, storage, block_bytes, cache.max_bytes, progress)
     else:
-      _write_stacked(reader, out, target, storage, block_bytes, progress)
+      _write_stacked(reader, out, target, storage, block_bytes, cache.max_bytes, progress)
     if out != tmp:
       _integrity.write_manifest(tmp)  # The converted step is complete.
   except BaseException:
@@ -295,18 +295,28 @@ def _blocks(rows: int, chunk_rows: int, row_bytes: int, block_bytes: int):
     yield start, min(rows, start + per_block)
 
 
+def _band_rows(num_shards: int, rows_per_shard: int, chunk_rows: int, row_bytes: int,
+               block_bytes: int) -> int:
+  """Rows b of a band: the fewest whole chunks whose band output reaches 2 x block_bytes.
+
+  A small band keeps the chunk cache small (`_cache_bytes`), so that its
+  buffers are reused rather than paged in anew: touching fresh memory costs
+  more than the copies. At least one chunk per shard, at most R.
+  """
+  per_row = num_shards * (row_bytes + _INDEX_BYTES_PER_ROW)
+  band = -(-(2 * block_bytes) // per_row)
+  return min(rows_per_shard, max(chunk_rows, -(-band // chunk_rows) * chunk_rows))
+
+
 def _band_blocks(
-    num_shards: int, rows_per_shard: int, chunk_rows: int, row_bytes: int, block_bytes: int
+    num_shards: int, rows_per_shard: int, chunk_rows: int, row_bytes: int, block_bytes: int,
+    band: int,
 ):
   """The blocks of a stacked array, band by band (see the module docstring).
 
-  A band is rows [u, u + b) of every shard, b a multiple of the chunk rows
-  (which divide R) such that the band's output fills at most half the chunk
-  cache; inside a band, shard by shard, each shard's part cut by `_blocks`.
+  A band is rows [u, u + band) of every shard (`_band_rows`); inside a band,
+  shard by shard, each shard's part cut by `_blocks`.
   """
-  half_cache = _CACHE_BLOCKS * block_bytes // 2
-  per_row = num_shards * (row_bytes + _INDEX_BYTES_PER_ROW)
-  band = max(chunk_rows, half_cache // per_row // chunk_rows * chunk_rows)
   for u in range(0, rows_per_shard, band):
     width = min(band, rows_per_shard - u)
     for shard in range(num_shards):
@@ -315,7 +325,24 @@ def _band_blocks(
         yield base + start, base + stop
 
 
-def _write_stacked(reader, out, layout, storage, block_bytes, progress) -> None:
+def _cache_bytes(reader, tables, slot: str | None, span_bytes: int, limit: int) -> int:
+  """The chunk cache that keeps every source chunk read once over blocks of `span_bytes`.
+
+  The source rows of a band (or block) of `span_bytes` output bytes lie in at
+  most span_bytes of chunks plus, per table and source shard, two partly
+  used chunks at its two ends (the next band continues in them), so that
+  many bytes hold every chunk from its first use to its last; capped at
+  `limit`.
+  """
+  edges = 0
+  for table in tables:
+    info = reader.array_info(table, slot)
+    shards = 1 if reader.layout is None else reader.layout.stack_of_table(table).num_shards
+    edges += 2 * shards * info.chunk_rows * info.shape[1] * numpy_dtype(info.dtype).itemsize
+  return min(limit, span_bytes + edges)
+
+
+def _write_stacked(reader, out, layout, storage, block_bytes, cache_limit, progress) -> None:
   assemblies = assemble_stacked(reader, layout)
   dtypes = {}
   for name, assembly in assemblies.items():
@@ -331,9 +358,18 @@ def _write_stacked(reader, out, layout, storage, block_bytes, progress) -> None:
       for slot, info in [(None, group.table)] + list(group.slots.items()):
         dtype = dtypes[(group.name, slot)]
         row_bytes = info.shape[1] * np.dtype(dtype).itemsize
+        stack = assembly.stack
+        band = _band_rows(
+            stack.num_shards, stack.rows_per_shard, info.chunk_rows, row_bytes, block_bytes
+        )
+        if slot is None or not assembly.reset_slots:
+          reader.chunk_cache.resize(
+              _cache_bytes(
+                  reader, stack.table_names, slot, stack.num_shards * band * row_bytes, cache_limit
+              )
+          )
         ranges = _band_blocks(
-            assembly.stack.num_shards, assembly.stack.rows_per_shard, info.chunk_rows, row_bytes,
-            block_bytes,
+            stack.num_shards, stack.rows_per_shard, info.chunk_rows, row_bytes, block_bytes, band
         )
         for start, stop in ranges:
           data = writer.buffer((stop - start, info.shape[1]), dtype)
@@ -344,7 +380,7 @@ def _write_stacked(reader, out, layout, storage, block_bytes, progress) -> None:
   _save.write_metadata(out, manifest, layout)
 
 
-def _write_unstacked(reader, out, storage, block_bytes, progress) -> None:
+def _write_unstacked(reader, out, storage, block_bytes, cache_limit, progress) -> None:
   tables = {name: reader.table_shape(name) for name in reader.table_names}
   dtypes, slot_specs = {}, {}
   for name in tables:
@@ -359,7 +395,10 @@ def _write_unstacked(reader, out, storage, block_bytes, progress) -> None:
       for slot, info in [(None, group.table)] + list(group.slots.items()):
         dtype = dtypes[(group.name, slot)]
         row_bytes = info.shape[1] * np.dtype(dtype).itemsize
-        for start, stop in _blocks(info.shape[0], info.chunk_rows, row_bytes, block_bytes):
+        ranges = list(_blocks(info.shape[0], info.chunk_rows, row_bytes, block_bytes))
+        span = max(stop - start for start, stop in ranges) * row_bytes
+        reader.chunk_cache.resize(_cache_bytes(reader, [group.name], slot, span, cache_limit))
+        for start, stop in ranges:
           data = writer.buffer((stop - start, info.shape[1]), dtype)
           reader.fill_strided_rows(data, [(group.name, slot, start, 1, stop - start, 0)])
           yield group.name, slot, start, data, _what(group.name, slot, start, stop)

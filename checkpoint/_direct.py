@@ -236,6 +236,12 @@ class ChunkCache:
     self._spare: list[np.ndarray] = []  # Dropped buffers (uint8), for reuse.
     self._lock = threading.Lock()
 
+  def resize(self, max_bytes: int) -> None:
+    """Keeps at most `max_bytes` from now on (dropping the least recently used chunks)."""
+    with self._lock:
+      self.max_bytes = max_bytes
+      self._evict()
+
   def get(self, file: str, shape: tuple[int, int], dtype: np.dtype) -> np.ndarray:
     """The chunk stored in `file` as a [rows, width] array, read and checked if not kept."""
     nbytes = shape[0] * shape[1] * np.dtype(dtype).itemsize
@@ -255,16 +261,20 @@ class ChunkCache:
       if file not in self._chunks:
         self._chunks[file] = data
         self._bytes += data.nbytes
-      while self._bytes > self.max_bytes and len(self._chunks) > 1:
-        _, dropped = self._chunks.popitem(last=False)
-        self._bytes -= dropped.nbytes
-        # Reused only when nothing outside holds the chunk or a view of its
-        # buffer: counted are the local names, `dropped.base` and getrefcount's argument.
-        buffer = dropped.base
-        if sys.getrefcount(dropped) <= 2 and sys.getrefcount(buffer) <= 3 and len(self._spare) < 4:
-          self._spare.append(buffer)
-        del buffer
+      self._evict(keep=1)
     return data
+
+  def _evict(self, keep: int = 0) -> None:
+    """Drops the least recently used chunks down to max_bytes, keeping `keep` (lock held)."""
+    while self._bytes > self.max_bytes and len(self._chunks) > keep:
+      _, dropped = self._chunks.popitem(last=False)
+      self._bytes -= dropped.nbytes
+      # Reused only when nothing outside holds the chunk or a view of its
+      # buffer: counted are the local names, `dropped.base` and getrefcount's argument.
+      buffer = dropped.base
+      if sys.getrefcount(dropped) <= 2 and sys.getrefcount(buffer) <= 3 and len(self._spare) < 4:
+        self._spare.append(buffer)
+      del buffer
 
 
 def direct_writable(path: epath.Path, dtype) -> bool:
