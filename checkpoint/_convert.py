@@ -15,15 +15,23 @@ checked) once: a stacked target's blocks are visited band by band, a band
 being the same rows [u, u + b) of every shard, and target shard s' holds the
 logical rows i = s' (mod N'), so one band of all N' shards holds the logical
 rows [u N', (u + b) N') of each table in it, a contiguous run of every source
-shard; the source chunks of a band are kept in a `_direct.ChunkCache` of
-`_CACHE_BLOCKS * block_bytes` until the next band (which continues in the
-same chunks) has used them. Visiting the shards one after the other instead
-would read every source chunk N' / gcd(N, N') times. A band's output is at
-most half the cache, so reads stay once per chunk while
-max(N, N') x chunk bytes fits in that half (with the defaults, 32 shards of
-4 MiB chunks); beyond, chunks are read again. A chunk shared by two tables
-of a stack is read once per table. Compressed or remote sources are read
-through TensorStore, chunk by chunk per block.
+shard; the source chunks of a band are kept in a `_direct.ChunkCache` until
+the next band (which continues in the same chunks) has used them. Visiting
+the shards one after the other instead would read every source chunk
+N' / gcd(N, N') times. A band is the fewest whole target chunks per shard
+whose output reaches 2 x block_bytes, and the cache is sized, array by
+array, to that band plus its edge chunks (`_cache_bytes`), at most
+`_CACHE_BLOCKS * block_bytes`: a small cache reuses its buffers, and paging
+in fresh memory costs more than the copies. Reads stay once per chunk while
+the band fits that limit (with the defaults, N' x target chunk bytes up to
+about 200 MiB: 50 shards of 4 MiB chunks); beyond, chunks are read again. A
+chunk shared by two tables of a stack is read once per table. Compressed or
+remote sources are read through TensorStore, chunk by chunk per block.
+
+Inside a block, a table's rows are one run per target shard whose logical
+rows advance by N' (`table_row_runs_in_block`); each is a few strided slice
+copies per source chunk (`CheckpointReader.fill_strided_rows`), with no
+per-row index arrays.
 
 Slots follow their tables. A conversion A -> B -> A reproduces every logical
 row and slot bit for bit; padding rows and columns are 0 (tables) or the
@@ -353,28 +361,27 @@ def _write_stacked(reader, out, layout, storage, block_bytes, cache_limit, progr
   writer = _Writer(out, manifest, progress)
 
   def blocks():
-    for group in manifest.groups:
+    for group, slot, info in _arrays(manifest):
       assembly = assemblies[group.name]
-      for slot, info in [(None, group.table)] + list(group.slots.items()):
-        dtype = dtypes[(group.name, slot)]
-        row_bytes = info.shape[1] * np.dtype(dtype).itemsize
-        stack = assembly.stack
-        band = _band_rows(
-            stack.num_shards, stack.rows_per_shard, info.chunk_rows, row_bytes, block_bytes
+      dtype = dtypes[(group.name, slot)]
+      row_bytes = info.shape[1] * np.dtype(dtype).itemsize
+      stack = assembly.stack
+      band = _band_rows(
+          stack.num_shards, stack.rows_per_shard, info.chunk_rows, row_bytes, block_bytes
+      )
+      if slot is None or not assembly.reset_slots:
+        reader.chunk_cache.resize(
+            _cache_bytes(
+                reader, stack.table_names, slot, stack.num_shards * band * row_bytes, cache_limit
+            )
         )
-        if slot is None or not assembly.reset_slots:
-          reader.chunk_cache.resize(
-              _cache_bytes(
-                  reader, stack.table_names, slot, stack.num_shards * band * row_bytes, cache_limit
-              )
-          )
-        ranges = _band_blocks(
-            stack.num_shards, stack.rows_per_shard, info.chunk_rows, row_bytes, block_bytes, band
-        )
-        for start, stop in ranges:
-          data = writer.buffer((stop - start, info.shape[1]), dtype)
-          data = build_block(reader, assembly, slot, start, stop, out=data)
-          yield group.name, slot, start, data, _what(group.name, slot, start, stop)
+      ranges = _band_blocks(
+          stack.num_shards, stack.rows_per_shard, info.chunk_rows, row_bytes, block_bytes, band
+      )
+      for start, stop in ranges:
+        data = writer.buffer((stop - start, info.shape[1]), dtype)
+        data = build_block(reader, assembly, slot, start, stop, out=data)
+        yield group.name, slot, start, data, _what(group.name, slot, start, stop)
 
   _written(writer, blocks())
   _save.write_metadata(out, manifest, layout)
@@ -391,20 +398,33 @@ def _write_unstacked(reader, out, storage, block_bytes, cache_limit, progress) -
   writer = _Writer(out, manifest, progress)
 
   def blocks():
-    for group in manifest.groups:
-      for slot, info in [(None, group.table)] + list(group.slots.items()):
-        dtype = dtypes[(group.name, slot)]
-        row_bytes = info.shape[1] * np.dtype(dtype).itemsize
-        ranges = list(_blocks(info.shape[0], info.chunk_rows, row_bytes, block_bytes))
-        span = max(stop - start for start, stop in ranges) * row_bytes
-        reader.chunk_cache.resize(_cache_bytes(reader, [group.name], slot, span, cache_limit))
-        for start, stop in ranges:
-          data = writer.buffer((stop - start, info.shape[1]), dtype)
-          reader.fill_strided_rows(data, [(group.name, slot, start, 1, stop - start, 0)])
-          yield group.name, slot, start, data, _what(group.name, slot, start, stop)
+    for group, slot, info in _arrays(manifest):
+      dtype = dtypes[(group.name, slot)]
+      row_bytes = info.shape[1] * np.dtype(dtype).itemsize
+      ranges = list(_blocks(info.shape[0], info.chunk_rows, row_bytes, block_bytes))
+      span = max(stop - start for start, stop in ranges) * row_bytes
+      reader.chunk_cache.resize(_cache_bytes(reader, [group.name], slot, span, cache_limit))
+      for start, stop in ranges:
+        data = writer.buffer((stop - start, info.shape[1]), dtype)
+        reader.fill_strided_rows(data, [(group.name, slot, start, 1, stop - start, 0)])
+        yield group.name, slot, start, data, _what(group.name, slot, start, stop)
 
   _written(writer, blocks())
   _save.write_metadata(out, manifest, None)
+
+
+def _arrays(manifest: Manifest):
+  """(group, slot, info) of every array: the tables of all groups, then each slot's arrays.
+
+  Target arrays that read the same source array come one after the other, so
+  a source chunk holding rows of two of them (two tables stacked together in
+  the source) is still in the chunk cache for the second.
+  """
+  arrays = [(group, None, group.table) for group in manifest.groups]
+  names = list(dict.fromkeys(name for group in manifest.groups for name in group.slots))
+  for name in names:
+    arrays += [(group, name, group.slots[name]) for group in manifest.groups if name in group.slots]
+  return arrays
 
 
 def _what(group: str, slot: str | None, start: int, stop: int) -> str:
