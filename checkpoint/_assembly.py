@@ -243,17 +243,16 @@ def build_block(
   if assembly.same_placement_group is not None:
     return reader.read_block(assembly.same_placement_group, slot, start, stop, out=out)
   requests = []
-  padding = np.ones((stop - start,), bool)
-  num_shards = assembly.stack.num_shards
   for index, table in enumerate(assembly.stack.tables):
     logical_width = reader.row_width(table.name, slot)
     for row, first, count in table_row_runs_in_block(assembly.stack, index, start, stop):
-      rows = slice(row - start, row - start + count)
-      requests.append((table.name, slot, first, num_shards, count, row - start))
-      padding[rows] = False
+      requests.append((table.name, slot, first, assembly.stack.num_shards, count, row - start))
       if logical_width < width:  # Padding columns.
-        out[rows, logical_width:] = fill
-  if padding.any():  # Padding rows.
-    out[padding] = fill
+        out[row - start : row - start + count, logical_width:] = fill
+  # Padding rows: those between the tables' runs (which do not overlap).
+  runs = sorted((request[5], request[5] + request[4]) for request in requests)
+  for gap_start, gap_stop in zip([0] + [b for _, b in runs], [a for a, _ in runs] + [stop - start]):
+    if gap_start < gap_stop:
+      out[gap_start:gap_stop] = fill
   reader.fill_strided_rows(out, requests)
   return out

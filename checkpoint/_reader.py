@@ -27,7 +27,7 @@ from checkpoint._format import (
     array_dir,
     numpy_dtype,
 )
-from checkpoint._integrity import is_link, walk
+from checkpoint._integrity import is_link, links_below
 from sc_framework.optimizers import SlotSpec
 from sc_framework.stacking import (
     EmbeddingLayout,
@@ -347,7 +347,7 @@ def _refuse_links(directory: epath.Path) -> None:
   """Raises if the item, or anything inside it, is a symbolic link."""
   links = [directory] if is_link(directory) else []
   if not links and directory.is_dir():
-    links = [path for _, path, kind in walk(directory) if kind == "link"]
+    links = links_below(directory)
   if links:
     shown = ", ".join(str(link) for link in links[:5]) + (" ..." if len(links) > 5 else "")
     raise CorruptCheckpointError(
