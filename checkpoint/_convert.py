@@ -196,30 +196,46 @@ def _copy_other_items(src: epath.Path, dst: epath.Path, *, skip: str) -> None:
 
 
 class _Writer:
-  """Writes blocks into the arrays of a manifest, a bounded number in flight.
+  """Writes blocks into the arrays of a manifest, a bounded number of bytes in flight.
 
   Arrays of the default encoding on a local path (raw bytes + crc32c) get
-  their chunk files written directly (`_direct.write_chunks_direct`,
-  by `_WRITERS` worker threads, so writing overlaps assembling the next
-  blocks);
+  their chunk files written directly (`_direct.ChunkWriter`), piece by
+  piece: a block is cut at chunk boundaries and each piece goes to the lane
+  (one of `_WRITERS` threads) of its chunk, so the pieces of one chunk are
+  written in order while writing overlaps assembling the next blocks.
   TensorStore creates every array and writes the others.
   """
 
-  def __init__(self, directory: epath.Path, manifest: Manifest, progress: ConversionProgress | None):
+  def __init__(
+      self, directory: epath.Path, manifest: Manifest, progress: ConversionProgress | None,
+      max_pending_bytes: int,
+  ):
     self._stores = _save.run_sync(_save.create_arrays(directory, manifest))
-    self._direct = {}
+    self._direct: dict[tuple[str, str | None], _direct.ChunkWriter] = {}
     for group in manifest.groups:
       for slot, info in [(None, group.table)] + list(group.slots.items()):
         path = array_dir(directory, manifest.kind, group.name, slot)
         dtype = numpy_dtype(info.dtype)
         if manifest.storage.direct_readable and _direct.direct_writable(path, dtype):
-          self._direct[(group.name, slot)] = (path, info.chunk_rows, info.shape[0])
-    self._pool = concurrent.futures.ThreadPoolExecutor(_WRITERS, thread_name_prefix="convert-write")
-    self._pending: collections.deque = collections.deque()  # (future, buffer to reuse or None)
+          self._direct[(group.name, slot)] = _direct.ChunkWriter(
+              path, info.chunk_rows, info.shape[0]
+          )
+    self._lanes = [
+        concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="convert-write")
+        for _ in range(_WRITERS)
+    ]
+    # (futures, bytes, buffer to reuse or None), oldest first.
+    self._pending: collections.deque = collections.deque()
+    self._pending_bytes = 0
+    self._max_pending_bytes = max_pending_bytes
     self._spare: list[np.ndarray] = []
     self._progress = progress
     self._total = manifest.nbytes
     self._done = 0
+
+  def direct(self, group: str, slot: str | None) -> bool:
+    """Whether the array's chunk files are written directly (pieces of chunks allowed)."""
+    return (group, slot) in self._direct
 
   def buffer(self, shape: tuple[int, int], dtype) -> np.ndarray:
     """A block buffer (contents undefined): one whose direct write is done, or a new one.
@@ -237,45 +253,61 @@ class _Writer:
   def write(self, group: str, slot: str | None, start: int, data: np.ndarray, what: str) -> None:
     reuse = None
     if (group, slot) in self._direct:
-      path, chunk_rows, total_rows = self._direct[(group, slot)]
-      future = self._pool.submit(
-          _direct.write_chunks_direct, path, chunk_rows, start, data, total_rows
-      )
+      chunks = self._direct[(group, slot)]
+      futures = [
+          self._lanes[chunk % _WRITERS].submit(chunks.write, a, data[a - start : b - start])
+          for chunk, a, b in chunks.pieces(start, start + data.shape[0])
+      ]
       reuse = data.reshape(-1).view(np.uint8) if data.flags.c_contiguous else None
     else:  # TensorStore may keep referencing `data`: it is not reused.
       rows = slice(start, start + data.shape[0])
       store = self._stores[(group, slot)]
-      future = store[rows].write(data, can_reference_source_data_indefinitely=True)
-    self._pending.append((future, reuse))
-    while len(self._pending) > _WRITERS + 1:
+      futures = [store[rows].write(data, can_reference_source_data_indefinitely=True)]
+    self._pending.append((futures, data.nbytes, reuse))
+    self._pending_bytes += data.nbytes
+    while len(self._pending) > 1 and self._pending_bytes > self._max_pending_bytes:
       self._wait_oldest()
     self._done += data.nbytes
     if self._progress is not None:
       self._progress(self._done, self._total, what)
 
   def _wait_oldest(self) -> None:
-    future, reuse = self._pending.popleft()
-    future.result()
-    if reuse is not None and len(self._spare) < 4:
+    futures, nbytes, reuse = self._pending.popleft()
+    self._pending_bytes -= nbytes
+    for future in futures:
+      future.result()
+    # Buffers are kept for reuse up to the bytes that may be in flight.
+    if reuse is not None and sum(b.nbytes for b in self._spare) + nbytes <= self._max_pending_bytes:
       self._spare.append(reuse)
 
   def finish(self) -> None:
-    """Waits for every write."""
+    """Waits for every write; every chunk must be complete."""
     try:
       while self._pending:
         self._wait_oldest()
     finally:
-      self._pool.shutdown()
+      self._shutdown()
+    for (group, slot), chunks in self._direct.items():
+      if chunks.unfinished():
+        raise RuntimeError(
+            f"conversion bug: chunks {chunks.unfinished()[:5]} of group {group!r}"
+            f" {'table' if slot is None else 'slot ' + repr(slot)} were not completed."
+        )
 
   def abort(self) -> None:
     """After a failure: lets the writes in flight end (their errors dropped), writes no more."""
-    for future, _ in self._pending:
-      try:
-        future.result()
-      except Exception:  # noqa: BLE001 - the failure being raised is the one to report.
-        pass
+    for futures, _, _ in self._pending:
+      for future in futures:
+        try:
+          future.result()
+        except Exception:  # noqa: BLE001 - the failure being raised is the one to report.
+          pass
     self._pending.clear()
-    self._pool.shutdown()
+    self._shutdown()
+
+  def _shutdown(self) -> None:
+    for lane in self._lanes:
+      lane.shutdown()
 
 
 def _written(writer: _Writer, blocks) -> None:
@@ -294,31 +326,30 @@ def _written(writer: _Writer, blocks) -> None:
 _INDEX_BYTES_PER_ROW = 80
 
 
-def _blocks(rows: int, chunk_rows: int, row_bytes: int, block_bytes: int):
-  """Chunk-aligned [start, stop) blocks of at most `block_bytes` (data and row ids)."""
-  per_block = max(
-      chunk_rows, (block_bytes // (row_bytes + _INDEX_BYTES_PER_ROW)) // chunk_rows * chunk_rows
-  )
+def _blocks(rows: int, unit: int, row_bytes: int, block_bytes: int):
+  """[start, stop) blocks of at most `block_bytes` (data and row ids), cut at multiples of `unit`."""
+  per_block = max(unit, (block_bytes // (row_bytes + _INDEX_BYTES_PER_ROW)) // unit * unit)
   for start in range(0, rows, per_block):
     yield start, min(rows, start + per_block)
 
 
-def _band_rows(num_shards: int, rows_per_shard: int, chunk_rows: int, row_bytes: int,
-               block_bytes: int) -> int:
-  """Rows b of a band: the fewest whole chunks whose band output reaches 2 x block_bytes.
+def _band_rows(num_shards: int, rows_per_shard: int, unit: int, row_bytes: int,
+               band_bytes: int) -> int:
+  """Rows b of a band: the fewest multiples of `unit` whose band output reaches `band_bytes`.
 
   A small band keeps the chunk cache small (`_cache_bytes`), so that its
   buffers are reused rather than paged in anew: touching fresh memory costs
-  more than the copies. At least one chunk per shard, at most R.
+  more than the copies. Arrays written by TensorStore take whole chunks
+  (unit: the chunk rows), so a band holds at least one chunk per shard;
+  directly written ones take pieces of chunks (unit 1). At most R.
   """
   per_row = num_shards * (row_bytes + _INDEX_BYTES_PER_ROW)
-  band = -(-(2 * block_bytes) // per_row)
-  return min(rows_per_shard, max(chunk_rows, -(-band // chunk_rows) * chunk_rows))
+  band = -(-band_bytes // per_row)
+  return min(rows_per_shard, max(unit, -(-band // unit) * unit))
 
 
 def _band_blocks(
-    num_shards: int, rows_per_shard: int, chunk_rows: int, row_bytes: int, block_bytes: int,
-    band: int,
+    num_shards: int, rows_per_shard: int, unit: int, row_bytes: int, block_bytes: int, band: int
 ):
   """The blocks of a stacked array, band by band (see the module docstring).
 
@@ -329,7 +360,7 @@ def _band_blocks(
     width = min(band, rows_per_shard - u)
     for shard in range(num_shards):
       base = shard * rows_per_shard + u
-      for start, stop in _blocks(width, chunk_rows, row_bytes, block_bytes):
+      for start, stop in _blocks(width, unit, row_bytes, block_bytes):
         yield base + start, base + stop
 
 
@@ -358,7 +389,7 @@ def _write_stacked(reader, out, layout, storage, block_bytes, cache_limit, progr
     dtypes.update({(name, spec.name): assembly.slot_dtypes[spec.name] for spec in assembly.slot_specs})
   slot_specs = {name: assembly.slot_specs for name, assembly in assemblies.items()}
   manifest = _save.stacked_manifest(layout, dtypes, slot_specs, storage)
-  writer = _Writer(out, manifest, progress)
+  writer = _Writer(out, manifest, progress, block_bytes // 2)
 
   def blocks():
     for group, slot, info in _arrays(manifest):
@@ -366,9 +397,15 @@ def _write_stacked(reader, out, layout, storage, block_bytes, cache_limit, progr
       dtype = dtypes[(group.name, slot)]
       row_bytes = info.shape[1] * np.dtype(dtype).itemsize
       stack = assembly.stack
-      band = _band_rows(
-          stack.num_shards, stack.rows_per_shard, info.chunk_rows, row_bytes, block_bytes
-      )
+      if assembly.same_placement_group is not None:  # Whole source chunks, read in place.
+        source = reader.manifest.group(assembly.same_placement_group)
+        source_rows = (source.table if slot is None else source.slots[slot]).chunk_rows
+        unit, band_bytes = int(np.lcm(info.chunk_rows, source_rows)), 2 * block_bytes
+      elif writer.direct(group.name, slot):
+        unit, band_bytes = 1, block_bytes // 2
+      else:
+        unit, band_bytes = info.chunk_rows, 2 * block_bytes
+      band = _band_rows(stack.num_shards, stack.rows_per_shard, unit, row_bytes, band_bytes)
       if slot is None or not assembly.reset_slots:
         reader.chunk_cache.resize(
             _cache_bytes(
@@ -376,7 +413,7 @@ def _write_stacked(reader, out, layout, storage, block_bytes, cache_limit, progr
             )
         )
       ranges = _band_blocks(
-          stack.num_shards, stack.rows_per_shard, info.chunk_rows, row_bytes, block_bytes, band
+          stack.num_shards, stack.rows_per_shard, unit, row_bytes, block_bytes, band
       )
       for start, stop in ranges:
         data = writer.buffer((stop - start, info.shape[1]), dtype)
@@ -395,7 +432,7 @@ def _write_unstacked(reader, out, storage, block_bytes, cache_limit, progress) -
     dtypes[(name, None)] = reader.dtype(name)
     dtypes.update({(name, spec.name): reader.dtype(name, spec.name) for spec in slot_specs[name]})
   manifest = _save.unstacked_manifest(tables, dtypes, slot_specs, storage)
-  writer = _Writer(out, manifest, progress)
+  writer = _Writer(out, manifest, progress, block_bytes // 2)
 
   def blocks():
     for group, slot, info in _arrays(manifest):

@@ -222,3 +222,49 @@ def test_direct_chunk_reads_match_the_stored_array(tmp_path, seed):
   chunk.write_bytes(bytes(data))
   with pytest.raises(ck.CorruptCheckpointError, match=rf"{chunk}.*CRC32C"):
     _direct.gather_rows_direct(path, stored.shape, chunk_rows, rows, out, out_rows, 10)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_chunk_writer_pieces_read_back_through_tensorstore(tmp_path, seed):
+  """Chunks written in pieces (chunks interleaved, each in order) equal TensorStore's reading."""
+  rng = np.random.default_rng(seed)
+  chunk_rows, total = int(rng.integers(2, 9)), int(rng.integers(1, 60))
+  stored = rng.standard_normal((total, 6)).astype(np.float32)
+  path = tmp_path / "array"
+  spec = _storage.create_spec(path, stored.shape, stored.dtype, chunk_rows, ck.StorageOptions())
+  _storage.open_for_write(spec).result()
+  writer = _direct.ChunkWriter(path, chunk_rows, total)
+  cuts = np.unique(np.concatenate([[0, total], rng.integers(0, total + 1, size=8)]))
+  pieces = [
+      piece for a, b in zip(cuts[:-1], cuts[1:]) for piece in writer.pieces(int(a), int(b))
+  ]
+  assert all(a // chunk_rows == chunk == (b - 1) // chunk_rows for chunk, a, b in pieces)
+  queues = {}  # Interleave chunks at random, each chunk's pieces in order.
+  for piece in pieces:
+    queues.setdefault(piece[0], []).append(piece)
+  while queues:
+    chunk = int(rng.choice(sorted(queues)))
+    _, a, b = queues[chunk].pop(0)
+    if not queues[chunk]:
+      del queues[chunk]
+    if a and rng.random() < 0.3 and writer.unfinished():
+      with pytest.raises(ValueError, match="in order"):
+        writer.write(a + 1 if b > a + 1 else a - 1, stored[a:b])
+    writer.write(a, stored[a:b])
+  assert writer.unfinished() == []
+  assert_same_bits(_storage.open_for_read(path).result().read().result(), stored)
+  if total % chunk_rows == 0:  # The direct reader (which takes whole arrays of whole chunks).
+    out = np.empty_like(stored)
+    assert _direct.read_chunks_direct(path, chunk_rows, 0, total, total, out)
+    assert_same_bits(out, stored)
+
+
+def test_chunk_writer_reports_unfinished_chunks_and_never_overwrites(tmp_path):
+  path = tmp_path / "array"
+  writer = _direct.ChunkWriter(path, 4, 10)
+  data = np.arange(24, dtype=np.float32).reshape(8, 3)
+  writer.write(0, data[:2])
+  writer.write(4, data[4:8])
+  assert writer.unfinished() == [0]
+  with pytest.raises(FileExistsError):
+    _direct.ChunkWriter(path, 4, 10).write(4, data[4:8])
