@@ -5,10 +5,11 @@
   unstacked          -> stacked
 
 The output is a normal checkpoint that the restore path reads. It is built
-array by array and, inside an array, block by block: a block is a run of whole
-chunks of the output (at most `block_bytes`), assembled from exactly the
-logical rows it holds (`_assembly.build_block`), then written while the next one is
-assembled. Peak memory is the chunk cache and a few blocks, whatever the table size.
+array by array and, inside an array, block by block: a block is a run of rows
+of the output (at most `block_bytes`; whole chunks where TensorStore writes
+it), assembled from exactly the logical rows it holds
+(`_assembly.build_block`), then written while the next one is assembled.
+Peak memory is the chunk cache and a few blocks, whatever the table size.
 
 Reads are chunk-granular and each source chunk file is read (and its CRC32C
 checked) once: a stacked target's blocks are visited band by band, a band
@@ -18,14 +19,22 @@ rows [u N', (u + b) N') of each table in it, a contiguous run of every source
 shard; the source chunks of a band are kept in a `_direct.ChunkCache` until
 the next band (which continues in the same chunks) has used them. Visiting
 the shards one after the other instead would read every source chunk
-N' / gcd(N, N') times. A band is the fewest whole target chunks per shard
-whose output reaches 2 x block_bytes, and the cache is sized, array by
-array, to that band plus its edge chunks (`_cache_bytes`), at most
-`_CACHE_BLOCKS * block_bytes`: a small cache reuses its buffers, and paging
-in fresh memory costs more than the copies. Reads stay once per chunk while
-the band fits that limit (with the defaults, N' x target chunk bytes up to
-about 200 MiB: 50 shards of 4 MiB chunks); beyond, chunks are read again. A
-chunk shared by two tables of a stack is read once per table. Compressed or
+N' / gcd(N, N') times.
+
+Bands are small, and the cache is sized array by array to a band plus two
+edge chunks per source shard and table (`_cache_bytes`), at most
+`_CACHE_BLOCKS * block_bytes`: a small cache and few blocks in flight reuse
+their buffers, and paging in fresh memory costs more than the copies. A
+directly written array (`_direct.ChunkWriter`) takes its chunks in pieces,
+so its band is the fewest rows whose output reaches block_bytes / 2; an
+array written by TensorStore, or read in place from a stack of the same
+placement, takes whole chunks, so its band holds at least one chunk per
+shard (and reaches 2 x block_bytes). Reads stay once per chunk while that
+cache fits the limit (256 MiB by default: a band of 16 MiB and, for 4 MiB
+chunks, up to 30 source shards x tables); beyond, chunks are read again. A
+chunk shared by two tables of a stack is read at most once per table (the
+target arrays reading one source array follow each other, `_arrays`, so it
+mostly stays cached). Compressed or
 remote sources are read through TensorStore, chunk by chunk per block.
 
 Inside a block, a table's rows are one run per target shard whose logical
@@ -97,7 +106,8 @@ def convert(
     target: an EmbeddingLayout of the same tables, or 'unstacked'.
     storage: codecs and chunk size of the output (default: the source's).
     block_bytes: the most bytes of output assembled at once; source chunks
-      are kept in a cache of 8 x block_bytes (see the module docstring).
+      are kept in a cache of at most 8 x block_bytes (see the module
+      docstring).
     progress: see `ConversionProgress`.
     overwrite: replace an existing `dst`.
     host_memory: "system" (default) leaves the process's malloc alone;
@@ -321,13 +331,14 @@ def _written(writer: _Writer, blocks) -> None:
   writer.finish()
 
 
-# Row bookkeeping (int64 row ids and their run analysis) costs about this many
-# bytes per row of a block, more than the data itself for a [V, 1] slot.
+# Row bookkeeping on the row-by-row path (TensorStore or chained sources: int64
+# row ids and their run analysis) costs about this many bytes per row of a
+# block, more than the data itself for a [V, 1] slot.
 _INDEX_BYTES_PER_ROW = 80
 
 
 def _blocks(rows: int, unit: int, row_bytes: int, block_bytes: int):
-  """[start, stop) blocks of at most `block_bytes` (data and row ids), cut at multiples of `unit`."""
+  """[start, stop) blocks of at most `block_bytes` (data and row ids), cut at multiples of unit."""
   per_block = max(unit, (block_bytes // (row_bytes + _INDEX_BYTES_PER_ROW)) // unit * unit)
   for start in range(0, rows, per_block):
     yield start, min(rows, start + per_block)

@@ -161,7 +161,8 @@ def copy_strided_direct(
       first = row + row_step * m
       chunk = first // chunk_rows
       end = min(count, -(-((chunk + 1) * chunk_rows - row) // row_step))
-      pieces.append((chunk, first - chunk * chunk_rows, row_step, end - m, out_row + out_step * m, out_step))
+      offset = first - chunk * chunk_rows
+      pieces.append((chunk, offset, row_step, end - m, out_row + out_step * m, out_step))
       m = end
   pieces.sort(key=lambda piece: piece[0])
   whole_rows = columns == shape[1] == out.shape[1] and out.flags.c_contiguous
@@ -174,7 +175,8 @@ def copy_strided_direct(
       end += 1
     file = os.path.join(text, "c", str(chunk), "0")
     _, offset, row_step, count, out_row, out_step = pieces[index]
-    if end == index + 1 and whole_rows and offset == 0 and count == chunk_rows and row_step == out_step == 1:
+    whole_chunk = offset == 0 and count == chunk_rows and row_step == out_step == 1
+    if end == index + 1 and whole_rows and whole_chunk:
       _read_chunk(file, out[out_row : out_row + chunk_rows].reshape(-1).view(np.uint8))
       index = end
       continue
