@@ -26,12 +26,12 @@ edge chunks per source shard and table (`_cache_bytes`), at most
 `_CACHE_BLOCKS * block_bytes`: a small cache and few blocks in flight reuse
 their buffers, and paging in fresh memory costs more than the copies. A
 directly written array (`_direct.ChunkWriter`) takes its chunks in pieces,
-so its band is the fewest rows whose output reaches block_bytes / 2; an
+so its band is the fewest rows whose output reaches block_bytes; an
 array written by TensorStore, or read in place from a stack of the same
 placement, takes whole chunks, so its band holds at least one chunk per
 shard (and reaches 2 x block_bytes). Reads stay once per chunk while that
-cache fits the limit (256 MiB by default: a band of 16 MiB and, for 4 MiB
-chunks, up to 30 source shards x tables); beyond, chunks are read again. A
+cache fits the limit (256 MiB by default: a band of 32 MiB and, for 4 MiB
+chunks, up to 28 source shards x tables); beyond, chunks are read again. A
 chunk shared by two tables of a stack is read at most once per table (the
 target arrays reading one source array follow each other, `_arrays`, so it
 mostly stays cached). Compressed or
@@ -413,7 +413,7 @@ def _write_stacked(reader, out, layout, storage, block_bytes, cache_limit, progr
         source_rows = (source.table if slot is None else source.slots[slot]).chunk_rows
         unit, band_bytes = int(np.lcm(info.chunk_rows, source_rows)), 2 * block_bytes
       elif writer.direct(group.name, slot):
-        unit, band_bytes = 1, block_bytes // 2
+        unit, band_bytes = 1, block_bytes
       else:
         unit, band_bytes = info.chunk_rows, 2 * block_bytes
       band = _band_rows(stack.num_shards, stack.rows_per_shard, unit, row_bytes, band_bytes)
