@@ -206,7 +206,10 @@ def _copy_other_items(src: epath.Path, dst: epath.Path, *, skip: str) -> None:
 
 
 class _Writer:
-  """Writes blocks into the arrays of a manifest, a bounded number of bytes in flight.
+  """Writes blocks into the arrays of a manifest, a bounded number in flight.
+
+  In flight are up to `_WRITERS` + 1 blocks, or more while they hold at most
+  `max_pending_bytes` (small blocks, written as they come).
 
   Arrays of the default encoding on a local path (raw bytes + crc32c) get
   their chunk files written directly (`_direct.ChunkWriter`), piece by
@@ -275,7 +278,8 @@ class _Writer:
       futures = [store[rows].write(data, can_reference_source_data_indefinitely=True)]
     self._pending.append((futures, data.nbytes, reuse))
     self._pending_bytes += data.nbytes
-    while len(self._pending) > 1 and self._pending_bytes > self._max_pending_bytes:
+    # In flight: up to _WRITERS + 1 blocks, more while they are small.
+    while len(self._pending) > _WRITERS + 1 and self._pending_bytes > self._max_pending_bytes:
       self._wait_oldest()
     self._done += data.nbytes
     if self._progress is not None:
@@ -287,7 +291,9 @@ class _Writer:
     for future in futures:
       future.result()
     # Buffers are kept for reuse up to the bytes that may be in flight.
-    if reuse is not None and sum(b.nbytes for b in self._spare) + nbytes <= self._max_pending_bytes:
+    spare_bytes = sum(b.nbytes for b in self._spare)
+    keep = len(self._spare) <= _WRITERS or spare_bytes + nbytes <= self._max_pending_bytes
+    if reuse is not None and keep:
       self._spare.append(reuse)
 
   def finish(self) -> None:
