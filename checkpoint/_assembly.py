@@ -8,8 +8,10 @@ its tables exactly as a stored stack does (same N, R, D' and, per table, the
 same V, D, V', o, r; G and S may differ), global row g of the target is global
 row g of the stored stack, so a device block is one contiguous read.
 Otherwise each block is assembled table by table: for table k the logical
-rows in target rows [start, stop) (`table_rows_in_block`) are copied from the
-checkpoint straight into the block (`CheckpointReader.fill_rows`); padding
+rows in target rows [start, stop) (`table_row_runs_in_block`: one run of
+logical rows i0, i0 + N, ... per shard) are copied from the checkpoint
+straight into the block (`CheckpointReader.fill_strided_rows`: a few strided
+copies per source chunk, no per-row index arrays); padding
 rows and columns are 0 for tables and the slot's initial value for slots.
 """
 
@@ -25,7 +27,7 @@ from checkpoint._errors import IncompatibleCheckpointError, MissingTableError, S
 from checkpoint._reader import CheckpointReader
 from checkpoint._storage import host_buffer
 from sc_framework.optimizers import SlotSpec
-from sc_framework.stacking import EmbeddingLayout, StackLayout, table_rows_in_block
+from sc_framework.stacking import EmbeddingLayout, StackLayout, table_row_runs_in_block
 
 OnSlotMismatch = Literal["error", "reset"]
 
@@ -242,16 +244,15 @@ def build_block(
     return reader.read_block(assembly.same_placement_group, slot, start, stop, out=out)
   requests = []
   for index, table in enumerate(assembly.stack.tables):
-    global_rows, logical_rows = table_rows_in_block(assembly.stack, index, start, stop)
-    if global_rows.size:
-      requests.append((table.name, slot, logical_rows, global_rows - start))
-      logical_width = reader.row_width(table.name, slot)
+    logical_width = reader.row_width(table.name, slot)
+    for row, first, count in table_row_runs_in_block(assembly.stack, index, start, stop):
+      requests.append((table.name, slot, first, assembly.stack.num_shards, count, row - start))
       if logical_width < width:  # Padding columns.
-        out[global_rows - start, logical_width:] = fill
-  if sum(request[3].size for request in requests) < stop - start:  # Padding rows.
-    padding = np.ones((stop - start,), bool)
-    for request in requests:
-      padding[request[3]] = False
-    out[padding] = fill
-  reader.fill_rows(out, requests)
+        out[row - start : row - start + count, logical_width:] = fill
+  # Padding rows: those between the tables' runs (which do not overlap).
+  runs = sorted((request[5], request[5] + request[4]) for request in requests)
+  for gap_start, gap_stop in zip([0] + [b for _, b in runs], [a for a, _ in runs] + [stop - start]):
+    if gap_start < gap_stop:
+      out[gap_start:gap_stop] = fill
+  reader.fill_strided_rows(out, requests)
   return out

@@ -240,6 +240,17 @@ class ChainReader(CheckpointReader):
         overlays.append((overlay, entries, out_rows, self.row_width(table, slot), slot))
     self._apply(out, overlays)
 
+  def fill_strided_rows(self, out: np.ndarray, requests) -> None:
+    """As `CheckpointReader.fill_strided_rows`, with the newest delta value of each row."""
+    positions = [np.arange(count, dtype=np.int64) for *_, count, _ in requests]
+    self.fill_rows(
+        out,
+        [
+            (table, slot, first + step * j, out_row + j)
+            for (table, slot, first, step, _, out_row), j in zip(requests, positions)
+        ],
+    )
+
   def read_block(self, group: str, slot: str | None, start: int, stop: int, *,
                  out: np.ndarray | None = None) -> np.ndarray:
     """Stored rows [start, stop) of a base group's array, with the deltas applied."""

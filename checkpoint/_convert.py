@@ -5,25 +5,42 @@
   unstacked          -> stacked
 
 The output is a normal checkpoint that the restore path reads. It is built
-array by array and, inside an array, block by block: a block is a run of whole
-chunks of the output (at most `block_bytes`), assembled from exactly the
-logical rows it holds (`_assembly.build_block`), then written while the next one is
-assembled. Peak memory is the chunk cache and a few blocks, whatever the table size.
+array by array and, inside an array, block by block: a block is a run of rows
+of the output (at most `block_bytes`; whole chunks where TensorStore writes
+it), assembled from exactly the logical rows it holds
+(`_assembly.build_block`), then written while the next one is assembled.
+Peak memory is the chunk cache and a few blocks, whatever the table size.
 
 Reads are chunk-granular and each source chunk file is read (and its CRC32C
 checked) once: a stacked target's blocks are visited band by band, a band
 being the same rows [u, u + b) of every shard, and target shard s' holds the
 logical rows i = s' (mod N'), so one band of all N' shards holds the logical
 rows [u N', (u + b) N') of each table in it, a contiguous run of every source
-shard; the source chunks of a band are kept in a `_direct.ChunkCache` of
-`_CACHE_BLOCKS * block_bytes` until the next band (which continues in the
-same chunks) has used them. Visiting the shards one after the other instead
-would read every source chunk N' / gcd(N, N') times. A band's output is at
-most half the cache, so reads stay once per chunk while
-max(N, N') x chunk bytes fits in that half (with the defaults, 32 shards of
-4 MiB chunks); beyond, chunks are read again. A chunk shared by two tables
-of a stack is read once per table. Compressed or remote sources are read
-through TensorStore, chunk by chunk per block.
+shard; the source chunks of a band are kept in a `_direct.ChunkCache` until
+the next band (which continues in the same chunks) has used them. Visiting
+the shards one after the other instead would read every source chunk
+N' / gcd(N, N') times.
+
+Bands are small, and the cache is sized array by array to a band plus two
+edge chunks per source shard and table (`_cache_bytes`), at most
+`_CACHE_BLOCKS * block_bytes`: a small cache and few blocks in flight reuse
+their buffers, and paging in fresh memory costs more than the copies. A
+directly written array (`_direct.ChunkWriter`) takes its chunks in pieces,
+so its band is the fewest rows whose output reaches block_bytes; an
+array written by TensorStore, or read in place from a stack of the same
+placement, takes whole chunks, so its band holds at least one chunk per
+shard (and reaches 2 x block_bytes). Reads stay once per chunk while that
+cache fits the limit (256 MiB by default: a band of 32 MiB and, for 4 MiB
+chunks, up to 28 source shards x tables); beyond, chunks are read again. A
+chunk shared by two tables of a stack is read at most once per table (the
+target arrays reading one source array follow each other, `_arrays`, so it
+mostly stays cached). Compressed or
+remote sources are read through TensorStore, chunk by chunk per block.
+
+Inside a block, a table's rows are one run per target shard whose logical
+rows advance by N' (`table_row_runs_in_block`); each is a few strided slice
+copies per source chunk (`CheckpointReader.fill_strided_rows`), with no
+per-row index arrays.
 
 Slots follow their tables. A conversion A -> B -> A reproduces every logical
 row and slot bit for bit; padding rows and columns are 0 (tables) or the
@@ -89,7 +106,8 @@ def convert(
     target: an EmbeddingLayout of the same tables, or 'unstacked'.
     storage: codecs and chunk size of the output (default: the source's).
     block_bytes: the most bytes of output assembled at once; source chunks
-      are kept in a cache of 8 x block_bytes (see the module docstring).
+      are kept in a cache of at most 8 x block_bytes (see the module
+      docstring).
     progress: see `ConversionProgress`.
     overwrite: replace an existing `dst`.
     host_memory: "system" (default) leaves the process's malloc alone;
@@ -140,9 +158,9 @@ def convert(
     else:
       out = tmp
     if target == "unstacked":
-      _write_unstacked(reader, out, storage, block_bytes, progress)
+      _write_unstacked(reader, out, storage, block_bytes, cache.max_bytes, progress)
     else:
-      _write_stacked(reader, out, target, storage, block_bytes, progress)
+      _write_stacked(reader, out, target, storage, block_bytes, cache.max_bytes, progress)
     if out != tmp:
       _integrity.write_manifest(tmp)  # The converted step is complete.
   except BaseException:
@@ -190,28 +208,47 @@ def _copy_other_items(src: epath.Path, dst: epath.Path, *, skip: str) -> None:
 class _Writer:
   """Writes blocks into the arrays of a manifest, a bounded number in flight.
 
+  In flight are up to `_WRITERS` + 1 blocks, or more while they hold at most
+  `max_pending_bytes` (small blocks, written as they come).
+
   Arrays of the default encoding on a local path (raw bytes + crc32c) get
-  their chunk files written directly (`_direct.write_chunks_direct`,
-  by `_WRITERS` worker threads, so writing overlaps assembling the next
-  blocks);
+  their chunk files written directly (`_direct.ChunkWriter`), piece by
+  piece: a block is cut at chunk boundaries and each piece goes to the lane
+  (one of `_WRITERS` threads) of its chunk, so the pieces of one chunk are
+  written in order while writing overlaps assembling the next blocks.
   TensorStore creates every array and writes the others.
   """
 
-  def __init__(self, directory: epath.Path, manifest: Manifest, progress: ConversionProgress | None):
+  def __init__(
+      self, directory: epath.Path, manifest: Manifest, progress: ConversionProgress | None,
+      max_pending_bytes: int,
+  ):
     self._stores = _save.run_sync(_save.create_arrays(directory, manifest))
-    self._direct = {}
+    self._direct: dict[tuple[str, str | None], _direct.ChunkWriter] = {}
     for group in manifest.groups:
       for slot, info in [(None, group.table)] + list(group.slots.items()):
         path = array_dir(directory, manifest.kind, group.name, slot)
         dtype = numpy_dtype(info.dtype)
         if manifest.storage.direct_readable and _direct.direct_writable(path, dtype):
-          self._direct[(group.name, slot)] = (path, info.chunk_rows, info.shape[0])
-    self._pool = concurrent.futures.ThreadPoolExecutor(_WRITERS, thread_name_prefix="convert-write")
-    self._pending: collections.deque = collections.deque()  # (future, buffer to reuse or None)
+          self._direct[(group.name, slot)] = _direct.ChunkWriter(
+              path, info.chunk_rows, info.shape[0]
+          )
+    self._lanes = [
+        concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="convert-write")
+        for _ in range(_WRITERS)
+    ]
+    # (futures, bytes, buffer to reuse or None), oldest first.
+    self._pending: collections.deque = collections.deque()
+    self._pending_bytes = 0
+    self._max_pending_bytes = max_pending_bytes
     self._spare: list[np.ndarray] = []
     self._progress = progress
     self._total = manifest.nbytes
     self._done = 0
+
+  def direct(self, group: str, slot: str | None) -> bool:
+    """Whether the array's chunk files are written directly (pieces of chunks allowed)."""
+    return (group, slot) in self._direct
 
   def buffer(self, shape: tuple[int, int], dtype) -> np.ndarray:
     """A block buffer (contents undefined): one whose direct write is done, or a new one.
@@ -229,45 +266,64 @@ class _Writer:
   def write(self, group: str, slot: str | None, start: int, data: np.ndarray, what: str) -> None:
     reuse = None
     if (group, slot) in self._direct:
-      path, chunk_rows, total_rows = self._direct[(group, slot)]
-      future = self._pool.submit(
-          _direct.write_chunks_direct, path, chunk_rows, start, data, total_rows
-      )
+      chunks = self._direct[(group, slot)]
+      futures = [
+          self._lanes[chunk % _WRITERS].submit(chunks.write, a, data[a - start : b - start])
+          for chunk, a, b in chunks.pieces(start, start + data.shape[0])
+      ]
       reuse = data.reshape(-1).view(np.uint8) if data.flags.c_contiguous else None
     else:  # TensorStore may keep referencing `data`: it is not reused.
       rows = slice(start, start + data.shape[0])
       store = self._stores[(group, slot)]
-      future = store[rows].write(data, can_reference_source_data_indefinitely=True)
-    self._pending.append((future, reuse))
-    while len(self._pending) > _WRITERS + 1:
+      futures = [store[rows].write(data, can_reference_source_data_indefinitely=True)]
+    self._pending.append((futures, data.nbytes, reuse))
+    self._pending_bytes += data.nbytes
+    # In flight: up to _WRITERS + 1 blocks, more while they are small.
+    while len(self._pending) > _WRITERS + 1 and self._pending_bytes > self._max_pending_bytes:
       self._wait_oldest()
     self._done += data.nbytes
     if self._progress is not None:
       self._progress(self._done, self._total, what)
 
   def _wait_oldest(self) -> None:
-    future, reuse = self._pending.popleft()
-    future.result()
-    if reuse is not None and len(self._spare) < 4:
+    futures, nbytes, reuse = self._pending.popleft()
+    self._pending_bytes -= nbytes
+    for future in futures:
+      future.result()
+    # Buffers are kept for reuse up to the bytes that may be in flight.
+    spare_bytes = sum(b.nbytes for b in self._spare)
+    keep = len(self._spare) <= _WRITERS or spare_bytes + nbytes <= self._max_pending_bytes
+    if reuse is not None and keep:
       self._spare.append(reuse)
 
   def finish(self) -> None:
-    """Waits for every write."""
+    """Waits for every write; every chunk must be complete."""
     try:
       while self._pending:
         self._wait_oldest()
     finally:
-      self._pool.shutdown()
+      self._shutdown()
+    for (group, slot), chunks in self._direct.items():
+      if chunks.unfinished():
+        raise RuntimeError(
+            f"conversion bug: chunks {chunks.unfinished()[:5]} of group {group!r}"
+            f" {'table' if slot is None else 'slot ' + repr(slot)} were not completed."
+        )
 
   def abort(self) -> None:
     """After a failure: lets the writes in flight end (their errors dropped), writes no more."""
-    for future, _ in self._pending:
-      try:
-        future.result()
-      except Exception:  # noqa: BLE001 - the failure being raised is the one to report.
-        pass
+    for futures, _, _ in self._pending:
+      for future in futures:
+        try:
+          future.result()
+        except Exception:  # noqa: BLE001 - the failure being raised is the one to report.
+          pass
     self._pending.clear()
-    self._pool.shutdown()
+    self._shutdown()
+
+  def _shutdown(self) -> None:
+    for lane in self._lanes:
+      lane.shutdown()
 
 
 def _written(writer: _Writer, blocks) -> None:
@@ -281,41 +337,68 @@ def _written(writer: _Writer, blocks) -> None:
   writer.finish()
 
 
-# Row bookkeeping (int64 row ids and their run analysis) costs about this many
-# bytes per row of a block, more than the data itself for a [V, 1] slot.
+# Row bookkeeping on the row-by-row path (TensorStore or chained sources: int64
+# row ids and their run analysis) costs about this many bytes per row of a
+# block, more than the data itself for a [V, 1] slot.
 _INDEX_BYTES_PER_ROW = 80
 
 
-def _blocks(rows: int, chunk_rows: int, row_bytes: int, block_bytes: int):
-  """Chunk-aligned [start, stop) blocks of at most `block_bytes` (data and row ids)."""
-  per_block = max(
-      chunk_rows, (block_bytes // (row_bytes + _INDEX_BYTES_PER_ROW)) // chunk_rows * chunk_rows
-  )
+def _blocks(rows: int, unit: int, row_bytes: int, block_bytes: int):
+  """[start, stop) blocks of at most `block_bytes` (data and row ids), cut at multiples of unit."""
+  per_block = max(unit, (block_bytes // (row_bytes + _INDEX_BYTES_PER_ROW)) // unit * unit)
   for start in range(0, rows, per_block):
     yield start, min(rows, start + per_block)
 
 
+def _band_rows(num_shards: int, rows_per_shard: int, unit: int, row_bytes: int,
+               band_bytes: int) -> int:
+  """Rows b of a band: the fewest multiples of `unit` whose band output reaches `band_bytes`.
+
+  A small band keeps the chunk cache small (`_cache_bytes`), so that its
+  buffers are reused rather than paged in anew: touching fresh memory costs
+  more than the copies. Arrays written by TensorStore take whole chunks
+  (unit: the chunk rows), so a band holds at least one chunk per shard;
+  directly written ones take pieces of chunks (unit 1). At most R.
+  """
+  per_row = num_shards * (row_bytes + _INDEX_BYTES_PER_ROW)
+  band = -(-band_bytes // per_row)
+  return min(rows_per_shard, max(unit, -(-band // unit) * unit))
+
+
 def _band_blocks(
-    num_shards: int, rows_per_shard: int, chunk_rows: int, row_bytes: int, block_bytes: int
+    num_shards: int, rows_per_shard: int, unit: int, row_bytes: int, block_bytes: int, band: int
 ):
   """The blocks of a stacked array, band by band (see the module docstring).
 
-  A band is rows [u, u + b) of every shard, b a multiple of the chunk rows
-  (which divide R) such that the band's output fills at most half the chunk
-  cache; inside a band, shard by shard, each shard's part cut by `_blocks`.
+  A band is rows [u, u + band) of every shard (`_band_rows`); inside a band,
+  shard by shard, each shard's part cut by `_blocks`.
   """
-  half_cache = _CACHE_BLOCKS * block_bytes // 2
-  per_row = num_shards * (row_bytes + _INDEX_BYTES_PER_ROW)
-  band = max(chunk_rows, half_cache // per_row // chunk_rows * chunk_rows)
   for u in range(0, rows_per_shard, band):
     width = min(band, rows_per_shard - u)
     for shard in range(num_shards):
       base = shard * rows_per_shard + u
-      for start, stop in _blocks(width, chunk_rows, row_bytes, block_bytes):
+      for start, stop in _blocks(width, unit, row_bytes, block_bytes):
         yield base + start, base + stop
 
 
-def _write_stacked(reader, out, layout, storage, block_bytes, progress) -> None:
+def _cache_bytes(reader, tables, slot: str | None, span_bytes: int, limit: int) -> int:
+  """The chunk cache that keeps every source chunk read once over blocks of `span_bytes`.
+
+  The source rows of a band (or block) of `span_bytes` output bytes lie in at
+  most span_bytes of chunks plus, per table and source shard, two partly
+  used chunks at its two ends (the next band continues in them), so that
+  many bytes hold every chunk from its first use to its last; capped at
+  `limit`.
+  """
+  edges = 0
+  for table in tables:
+    info = reader.array_info(table, slot)
+    shards = 1 if reader.layout is None else reader.layout.stack_of_table(table).num_shards
+    edges += 2 * shards * info.chunk_rows * info.shape[1] * numpy_dtype(info.dtype).itemsize
+  return min(limit, span_bytes + edges)
+
+
+def _write_stacked(reader, out, layout, storage, block_bytes, cache_limit, progress) -> None:
   assemblies = assemble_stacked(reader, layout)
   dtypes = {}
   for name, assembly in assemblies.items():
@@ -323,28 +406,42 @@ def _write_stacked(reader, out, layout, storage, block_bytes, progress) -> None:
     dtypes.update({(name, spec.name): assembly.slot_dtypes[spec.name] for spec in assembly.slot_specs})
   slot_specs = {name: assembly.slot_specs for name, assembly in assemblies.items()}
   manifest = _save.stacked_manifest(layout, dtypes, slot_specs, storage)
-  writer = _Writer(out, manifest, progress)
+  writer = _Writer(out, manifest, progress, block_bytes // 2)
 
   def blocks():
-    for group in manifest.groups:
+    for group, slot, info in _arrays(manifest):
       assembly = assemblies[group.name]
-      for slot, info in [(None, group.table)] + list(group.slots.items()):
-        dtype = dtypes[(group.name, slot)]
-        row_bytes = info.shape[1] * np.dtype(dtype).itemsize
-        ranges = _band_blocks(
-            assembly.stack.num_shards, assembly.stack.rows_per_shard, info.chunk_rows, row_bytes,
-            block_bytes,
+      dtype = dtypes[(group.name, slot)]
+      row_bytes = info.shape[1] * np.dtype(dtype).itemsize
+      stack = assembly.stack
+      if assembly.same_placement_group is not None:  # Whole source chunks, read in place.
+        source = reader.manifest.group(assembly.same_placement_group)
+        source_rows = (source.table if slot is None else source.slots[slot]).chunk_rows
+        unit, band_bytes = int(np.lcm(info.chunk_rows, source_rows)), 2 * block_bytes
+      elif writer.direct(group.name, slot):
+        unit, band_bytes = 1, block_bytes
+      else:
+        unit, band_bytes = info.chunk_rows, 2 * block_bytes
+      band = _band_rows(stack.num_shards, stack.rows_per_shard, unit, row_bytes, band_bytes)
+      if slot is None or not assembly.reset_slots:
+        reader.chunk_cache.resize(
+            _cache_bytes(
+                reader, stack.table_names, slot, stack.num_shards * band * row_bytes, cache_limit
+            )
         )
-        for start, stop in ranges:
-          data = writer.buffer((stop - start, info.shape[1]), dtype)
-          data = build_block(reader, assembly, slot, start, stop, out=data)
-          yield group.name, slot, start, data, _what(group.name, slot, start, stop)
+      ranges = _band_blocks(
+          stack.num_shards, stack.rows_per_shard, unit, row_bytes, block_bytes, band
+      )
+      for start, stop in ranges:
+        data = writer.buffer((stop - start, info.shape[1]), dtype)
+        data = build_block(reader, assembly, slot, start, stop, out=data)
+        yield group.name, slot, start, data, _what(group.name, slot, start, stop)
 
   _written(writer, blocks())
   _save.write_metadata(out, manifest, layout)
 
 
-def _write_unstacked(reader, out, storage, block_bytes, progress) -> None:
+def _write_unstacked(reader, out, storage, block_bytes, cache_limit, progress) -> None:
   tables = {name: reader.table_shape(name) for name in reader.table_names}
   dtypes, slot_specs = {}, {}
   for name in tables:
@@ -352,21 +449,36 @@ def _write_unstacked(reader, out, storage, block_bytes, progress) -> None:
     dtypes[(name, None)] = reader.dtype(name)
     dtypes.update({(name, spec.name): reader.dtype(name, spec.name) for spec in slot_specs[name]})
   manifest = _save.unstacked_manifest(tables, dtypes, slot_specs, storage)
-  writer = _Writer(out, manifest, progress)
+  writer = _Writer(out, manifest, progress, block_bytes // 2)
 
   def blocks():
-    for group in manifest.groups:
-      for slot, info in [(None, group.table)] + list(group.slots.items()):
-        dtype = dtypes[(group.name, slot)]
-        row_bytes = info.shape[1] * np.dtype(dtype).itemsize
-        for start, stop in _blocks(info.shape[0], info.chunk_rows, row_bytes, block_bytes):
-          data = writer.buffer((stop - start, info.shape[1]), dtype)
-          rows = np.arange(start, stop, dtype=np.int64)
-          reader.fill_rows(data, [(group.name, slot, rows, np.arange(stop - start))])
-          yield group.name, slot, start, data, _what(group.name, slot, start, stop)
+    for group, slot, info in _arrays(manifest):
+      dtype = dtypes[(group.name, slot)]
+      row_bytes = info.shape[1] * np.dtype(dtype).itemsize
+      ranges = list(_blocks(info.shape[0], info.chunk_rows, row_bytes, block_bytes))
+      span = max(stop - start for start, stop in ranges) * row_bytes
+      reader.chunk_cache.resize(_cache_bytes(reader, [group.name], slot, span, cache_limit))
+      for start, stop in ranges:
+        data = writer.buffer((stop - start, info.shape[1]), dtype)
+        reader.fill_strided_rows(data, [(group.name, slot, start, 1, stop - start, 0)])
+        yield group.name, slot, start, data, _what(group.name, slot, start, stop)
 
   _written(writer, blocks())
   _save.write_metadata(out, manifest, None)
+
+
+def _arrays(manifest: Manifest):
+  """(group, slot, info) of every array: the tables of all groups, then each slot's arrays.
+
+  Target arrays that read the same source array come one after the other, so
+  a source chunk holding rows of two of them (two tables stacked together in
+  the source) is still in the chunk cache for the second.
+  """
+  arrays = [(group, None, group.table) for group in manifest.groups]
+  names = list(dict.fromkeys(name for group in manifest.groups for name in group.slots))
+  for name in names:
+    arrays += [(group, name, group.slots[name]) for group in manifest.groups if name in group.slots]
+  return arrays
 
 
 def _what(group: str, slot: str | None, start: int, stop: int) -> str:

@@ -8,7 +8,7 @@ wheels, which halved the restore rate; it still reads compressed arrays and
 cloud paths. A save writes every array through TensorStore (there the checksum
 is not the bottleneck: writing through TensorStore with and without it, and
 directly with google-crc32c, measured the same rate); a conversion writes the
-chunk files of such arrays itself (`write_chunks_direct`), which saves a copy
+chunk files of such arrays itself (`ChunkWriter`), which saves a copy
 of every byte. TensorStore opens (or creates) every array before a direct
 read (or write), which checks (or writes) its zarr.json.
 
@@ -126,6 +126,75 @@ def gather_rows_direct(
   return True
 
 
+def copy_strided_direct(
+    path: epath.Path,
+    shape: tuple[int, int],
+    chunk_rows: int,
+    runs,
+    out: np.ndarray,
+    columns: int,
+    cache: "ChunkCache | None" = None,
+) -> bool:
+  """`gather_rows_direct` of rows given as strided runs, without per-row arrays.
+
+  Each run (row, row_step, count, out_row, out_step) copies stored rows
+  row + row_step m, columns [0, columns), to out[out_row + out_step m] for
+  m < count. A run is cut at chunk boundaries into pieces, each one strided
+  slice copy; the pieces are visited chunk by chunk, so a chunk is read once
+  per call (or taken from `cache`), and a chunk that one piece takes whole,
+  in order, to consecutive full-width rows is read straight into `out`. Same
+  applicability as `gather_rows_direct`; returns False (nothing read)
+  otherwise, or when the runs step over more chunks than rows they copy
+  (rows further apart than a chunk: `gather_rows_direct` does better).
+  """
+  text = os.fspath(path)
+  if "://" in text or out.dtype.byteorder == ">" or shape[0] % chunk_rows:
+    return False
+  runs = [run for run in runs if run[2] > 0]
+  spans = [(row_step * (count - 1)) // chunk_rows + 2 for _, row_step, count, _, _ in runs]
+  if sum(spans) > max(16, sum(run[2] for run in runs) // 4):
+    return False
+  pieces = []  # (chunk, first row in the chunk, row step, count, out row, out step)
+  for row, row_step, count, out_row, out_step in runs:
+    m = 0
+    while m < count:
+      first = row + row_step * m
+      chunk = first // chunk_rows
+      end = min(count, -(-((chunk + 1) * chunk_rows - row) // row_step))
+      offset = first - chunk * chunk_rows
+      pieces.append((chunk, offset, row_step, end - m, out_row + out_step * m, out_step))
+      m = end
+  pieces.sort(key=lambda piece: piece[0])
+  whole_rows = columns == shape[1] == out.shape[1] and out.flags.c_contiguous
+  scratch = None
+  index = 0
+  while index < len(pieces):
+    chunk = pieces[index][0]
+    end = index + 1
+    while end < len(pieces) and pieces[end][0] == chunk:
+      end += 1
+    file = os.path.join(text, "c", str(chunk), "0")
+    _, offset, row_step, count, out_row, out_step = pieces[index]
+    whole_chunk = offset == 0 and count == chunk_rows and row_step == out_step == 1
+    if end == index + 1 and whole_rows and whole_chunk:
+      _read_chunk(file, out[out_row : out_row + chunk_rows].reshape(-1).view(np.uint8))
+      index = end
+      continue
+    if cache is not None:
+      data = cache.get(file, (chunk_rows, shape[1]), out.dtype)
+    else:
+      if scratch is None:
+        scratch = np.empty((chunk_rows, shape[1]), out.dtype)
+      _read_chunk(file, scratch.reshape(-1).view(np.uint8))
+      data = scratch
+    for _, offset, row_step, count, out_row, out_step in pieces[index:end]:
+      out[out_row : out_row + out_step * (count - 1) + 1 : out_step, :columns] = data[
+          offset : offset + row_step * (count - 1) + 1 : row_step, :columns
+      ]
+    index = end
+  return True
+
+
 def _whole_chunk_in_order(
     rows: np.ndarray, out_rows: np.ndarray, chunk: int, chunk_rows: int
 ) -> bool:
@@ -169,6 +238,12 @@ class ChunkCache:
     self._spare: list[np.ndarray] = []  # Dropped buffers (uint8), for reuse.
     self._lock = threading.Lock()
 
+  def resize(self, max_bytes: int) -> None:
+    """Keeps at most `max_bytes` from now on (dropping the least recently used chunks)."""
+    with self._lock:
+      self.max_bytes = max_bytes
+      self._evict()
+
   def get(self, file: str, shape: tuple[int, int], dtype: np.dtype) -> np.ndarray:
     """The chunk stored in `file` as a [rows, width] array, read and checked if not kept."""
     nbytes = shape[0] * shape[1] * np.dtype(dtype).itemsize
@@ -188,61 +263,105 @@ class ChunkCache:
       if file not in self._chunks:
         self._chunks[file] = data
         self._bytes += data.nbytes
-      while self._bytes > self.max_bytes and len(self._chunks) > 1:
-        _, dropped = self._chunks.popitem(last=False)
-        self._bytes -= dropped.nbytes
-        # Reused only when nothing outside holds the chunk or a view of its
-        # buffer: counted are the local names, `dropped.base` and getrefcount's argument.
-        buffer = dropped.base
-        if sys.getrefcount(dropped) <= 2 and sys.getrefcount(buffer) <= 3 and len(self._spare) < 4:
-          self._spare.append(buffer)
-        del buffer
+      self._evict(keep=1)
     return data
+
+  def _evict(self, keep: int = 0) -> None:
+    """Drops the least recently used chunks down to max_bytes, keeping `keep` (lock held)."""
+    while self._bytes > self.max_bytes and len(self._chunks) > keep:
+      _, dropped = self._chunks.popitem(last=False)
+      self._bytes -= dropped.nbytes
+      # Reused only when nothing outside holds the chunk or a view of its
+      # buffer: counted are the local names, `dropped.base` and getrefcount's argument.
+      buffer = dropped.base
+      if sys.getrefcount(dropped) <= 2 and sys.getrefcount(buffer) <= 3 and len(self._spare) < 4:
+        self._spare.append(buffer)
+      del buffer
 
 
 def direct_writable(path: epath.Path, dtype) -> bool:
-  """Whether `write_chunks_direct` applies: a local path and a little-endian dtype."""
+  """Whether `ChunkWriter` applies: a local path and a little-endian dtype."""
   return "://" not in os.fspath(path) and np.dtype(dtype).byteorder != ">"
 
 
-def write_chunks_direct(
-    path: epath.Path, chunk_rows: int, start: int, data: np.ndarray, total_rows: int
-) -> None:
-  """Writes rows [start, start + len(data)) of an array created with the default encoding.
+class ChunkWriter:
+  """Writes the chunk files of one array created with the default encoding, piece by piece.
 
   The inverse of `read_chunks_direct`, for a local array whose zarr.json
   TensorStore created with codecs [bytes (little endian), crc32c]: each chunk
   file is the chunk's raw bytes followed by their CRC32C (hardware,
   google-crc32c), as the zarr v3 crc32c codec stores it, written without
-  TensorStore's encode copy. The rows must be whole chunks, except a last
-  chunk that ends the array (`total_rows` rows): zarr v3 stores it whole,
-  its rows past the end being the fill value 0. A file is created new (never
-  through an existing file or link).
+  TensorStore's encode copy. A chunk's rows may come in several pieces
+  (`write`), each continuing where the chunk's previous piece ended: the file
+  is created (new, never through an existing file or link) with the first
+  piece, appended to with the next ones, and gets its CRC32C (extended piece
+  by piece) with the last. The array's last chunk, when the array ends inside
+  it (`total_rows`), is stored whole, its rows past the end being the fill
+  value 0. Pieces of different chunks may be written from different threads,
+  those of one chunk in order.
   """
-  stop = start + data.shape[0]
-  if start % chunk_rows or (stop % chunk_rows and stop != total_rows):
-    raise ValueError(
-        f"direct chunk writes take whole chunks of {chunk_rows} rows (or the array's last,"
-        f" ending at row {total_rows}); got rows [{start}, {stop})."
-    )
-  data = np.ascontiguousarray(data)
-  row_bytes = data.shape[1] * data.dtype.itemsize
-  view = data.reshape(-1).view(np.uint8)
-  chunk_bytes = chunk_rows * row_bytes
-  first = start // chunk_rows
-  for k in range(-(-data.shape[0] // chunk_rows)):
-    part = view[k * chunk_bytes : (k + 1) * chunk_bytes]
-    if part.nbytes < chunk_bytes:  # The array's last chunk, past its end: fill value 0.
-      part = np.concatenate([part, np.zeros(chunk_bytes - part.nbytes, np.uint8)])
-    folder = os.path.join(os.fspath(path), "c", str(first + k))
-    os.makedirs(folder, exist_ok=True)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-    fd = os.open(os.path.join(folder, "0"), flags, 0o644)
+
+  def __init__(self, path: epath.Path, chunk_rows: int, total_rows: int):
+    self.path = os.fspath(path)
+    self.chunk_rows = chunk_rows
+    self.total_rows = total_rows
+    self._partial: dict[int, tuple[int, int]] = {}  # chunk -> (rows written, CRC32C so far)
+    self._lock = threading.Lock()
+
+  def pieces(self, start: int, stop: int) -> list[tuple[int, int, int]]:
+    """(chunk, start, stop) of rows [start, stop) cut at chunk boundaries."""
+    out = []
+    while start < stop:
+      chunk = start // self.chunk_rows
+      end = min(stop, (chunk + 1) * self.chunk_rows)
+      out.append((chunk, start, end))
+      start = end
+    return out
+
+  def write(self, start: int, data: np.ndarray) -> None:
+    """Writes rows [start, start + len(data)), which lie in one chunk, after its earlier rows."""
+    chunk, offset = divmod(start, self.chunk_rows)
+    rows = data.shape[0]
+    with self._lock:
+      written, crc = self._partial.get(chunk, (0, 0))
+    if offset != written or offset + rows > self.chunk_rows:
+      raise ValueError(
+          f"chunk {chunk} of {self.path}: a piece must continue the chunk's rows in order and"
+          f" stay inside it; got rows [{offset}, {offset + rows}) of {self.chunk_rows} after"
+          f" {written} written."
+      )
+    folder = os.path.join(self.path, "c", str(chunk))
+    if written == 0:
+      os.makedirs(folder, exist_ok=True)
+      flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    else:
+      flags = os.O_WRONLY | os.O_APPEND
+    fd = os.open(os.path.join(folder, "0"), flags | getattr(os, "O_NOFOLLOW", 0), 0o644)
     try:
-      _write_all(fd, part)
-      _write_all(fd, np.frombuffer(crc32c_of(part).to_bytes(4, "little"), np.uint8))
+      view = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+      _write_all(fd, view)
+      crc = crc32c_of(view, crc)
+      written += rows
+      end = min(self.chunk_rows, self.total_rows - chunk * self.chunk_rows)
+      if written >= end:  # Complete: fill past the array's end, then the checksum.
+        if written < self.chunk_rows:
+          row_bytes = data.shape[1] * data.dtype.itemsize
+          fill = np.zeros((self.chunk_rows - written) * row_bytes, np.uint8)
+          _write_all(fd, fill)
+          crc = crc32c_of(fill, crc)
+        _write_all(fd, np.frombuffer(crc.to_bytes(4, "little"), np.uint8))
     finally:
       os.close(fd)
+    with self._lock:
+      if written >= end:
+        self._partial.pop(chunk, None)
+      else:
+        self._partial[chunk] = (written, crc)
+
+  def unfinished(self) -> list[int]:
+    """The chunks begun but not completed."""
+    with self._lock:
+      return sorted(self._partial)
 
 
 # Bytes per write() call. Writing a 4 MiB chunk in one call measured 3-7x
@@ -278,8 +397,8 @@ def _read_chunk(file: str, target: np.ndarray) -> None:
     fail("fails its CRC32C checksum (its bytes changed since they were written)")
 
 
-def crc32c_of(data: np.ndarray) -> int:
-  """CRC32C of a C-contiguous array's bytes, without copying them.
+def crc32c_of(data: np.ndarray, crc: int = 0) -> int:
+  """CRC32C of a C-contiguous array's bytes (extending `crc`), without copying them.
 
   google-crc32c takes only buffers without a release hook (bytes, not numpy
   or memoryview), so the bytes are passed as a ctypes view of the same
@@ -287,7 +406,7 @@ def crc32c_of(data: np.ndarray) -> int:
   """
   data = np.ascontiguousarray(data)
   view = (ctypes.c_char * data.nbytes).from_address(data.ctypes.data)
-  return google_crc32c.value(view)
+  return google_crc32c.extend(crc, view)
 
 
 def _parents(file: str, levels: int) -> list[str]:

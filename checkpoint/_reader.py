@@ -27,9 +27,13 @@ from checkpoint._format import (
     array_dir,
     numpy_dtype,
 )
-from checkpoint._integrity import is_link, walk
+from checkpoint._integrity import is_link, links_below
 from sc_framework.optimizers import SlotSpec
-from sc_framework.stacking import EmbeddingLayout, logical_to_global_rows
+from sc_framework.stacking import (
+    EmbeddingLayout,
+    logical_progression_to_global,
+    logical_to_global_rows,
+)
 
 
 def find_item(directory: epath.Path) -> epath.Path | None:
@@ -205,6 +209,54 @@ class CheckpointReader:
     for group, slot, futures in started:
       self._read(group, slot, lambda _: [future.result() for future in futures])
 
+  def fill_strided_rows(self, out: np.ndarray, requests) -> None:
+    """`fill_rows` of rows given as progressions, without per-row arrays.
+
+    Args:
+      out: the destination, [rows, >= width].
+      requests: (table, slot, first, step, count, out_row) tuples: logical
+        rows first + step j (j < count) of the table's array (slot None) or
+        slot go to `out[out_row + j, :width]`.
+
+    Where the array is direct-readable, each request is a few strided copies
+    per source chunk (`logical_progression_to_global`,
+    `_direct.copy_strided_direct`); else the rows are listed and read by
+    `fill_rows`.
+    """
+    listed = []
+    for table, slot, first, step, count, out_row in requests:
+      vocab, _ = self.table_shape(table)
+      if count and (first < 0 or step < 1 or first + step * (count - 1) >= vocab):
+        raise ValueError(
+            f"table {table!r}: rows must be in [0, {vocab}), got {count} rows from {first} by"
+            f" step {step}."
+        )
+      if count <= 0:
+        continue
+      if self.layout is None:
+        runs = [(0, 1, count, first, step)]
+      else:
+        runs = logical_progression_to_global(self.layout, table, first, step, count)
+      runs = [
+          (row, row_step, length, out_row + j0, j_step)
+          for j0, j_step, length, row, row_step in runs
+      ]
+      columns = self.row_width(table, slot)
+      if not self._read_direct(
+          self.group_of(table).name,
+          slot,
+          lambda path, info, runs=runs, columns=columns: (
+              out.dtype == numpy_dtype(info.dtype)
+              and _direct.copy_strided_direct(
+                  path, info.shape, info.chunk_rows, runs, out, columns, self.chunk_cache
+              )
+          ),
+      ):
+        positions = np.arange(count, dtype=np.int64)
+        listed.append((table, slot, first + step * positions, out_row + positions))
+    if listed:
+      self.fill_rows(out, listed)
+
   def read_block(
       self, group: str, slot: str | None, start: int, stop: int, *, out: np.ndarray | None = None
   ) -> np.ndarray:
@@ -295,7 +347,7 @@ def _refuse_links(directory: epath.Path) -> None:
   """Raises if the item, or anything inside it, is a symbolic link."""
   links = [directory] if is_link(directory) else []
   if not links and directory.is_dir():
-    links = [path for _, path, kind in walk(directory) if kind == "link"]
+    links = links_below(directory)
   if links:
     shown = ", ".join(str(link) for link in links[:5]) + (" ..." if len(links) > 5 else "")
     raise CorruptCheckpointError(

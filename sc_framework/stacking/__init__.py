@@ -24,9 +24,11 @@ from sc_framework.stacking._rows import (
     global_to_logical_rows,
     is_padding_row,
     logical_rows_in_shard,
+    logical_progression_to_global,
     logical_to_global_rows,
     shard_of_global_row,
     shard_row_range,
+    table_row_runs_in_block,
     table_rows_in_block,
 )
 
@@ -51,6 +53,7 @@ __all__ = [
     "stack_block",
     "device_block",
     "logical_to_global_rows",
+    "logical_progression_to_global",
     "logical_rows_in_shard",
     "global_to_logical_rows",
     "is_padding_row",
@@ -59,4 +62,5 @@ __all__ = [
     "shard_row_range",
     "device_row_range",
     "table_rows_in_block",
+    "table_row_runs_in_block",
 ]

@@ -133,3 +133,60 @@ def table_rows_in_block(
     empty = np.zeros((0,), np.int64)
     return empty, empty
   return np.concatenate(globals_), np.concatenate(logicals)
+
+
+def table_row_runs_in_block(
+    stack: StackLayout, table_index: int, start: int, stop: int
+) -> list[tuple[int, int, int]]:
+  """`table_rows_in_block` as runs, without a per-row array.
+
+  Inside one shard a table's logical rows advance by N per global row
+  (i = local * N + c), so its rows in [start, stop) are, shard by shard, one
+  run of consecutive global rows holding the logical rows i0, i0 + N, ...
+
+  Returns:
+    (global_row, first_logical_row, count) per shard touched, in global row
+    order: global rows global_row + j hold logical rows first + N j for
+    j < count; the table's padding rows (logical row >= V) are left out.
+  """
+  table = stack.tables[table_index]
+  n = stack.num_shards
+  shard_rows = table.padded_vocabulary_size // n
+  runs = []
+  for shard in range(start // stack.rows_per_shard, -(-stop // stack.rows_per_shard)):
+    base = shard * stack.rows_per_shard + table.row_offset
+    lo, hi = max(base, start), min(base + shard_rows, stop)
+    if lo >= hi:
+      continue
+    residue = (shard - table.shard_rotation) % n
+    first_local = lo - base
+    # Logical rows local * N + residue < V, i.e. local < ceil((V - residue) / N).
+    count = min(hi - lo, -(-(table.vocabulary_size - residue) // n) - first_local)
+    if count > 0:
+      runs.append((lo, first_local * n + residue, count))
+  return runs
+
+
+def logical_progression_to_global(
+    layout: EmbeddingLayout, table_name: str, first: int, step: int, count: int
+) -> list[tuple[int, int, int, int, int]]:
+  """`logical_to_global_rows` of the logical rows first + step j (j < count), as runs.
+
+  With P = N / gcd(N, step), the rows j = q + P m (one residue q < P) share
+  i mod N, hence their shard, and floor(i / N) advances by step P / N per m,
+  so their global rows advance by that constant: at most P runs.
+
+  Returns:
+    (j0, j_step, length, global_row, global_step) per run: the positions
+    j = j0 + j_step m (m < length) hold global rows global_row + global_step m.
+  """
+  if step < 1 or count < 0:
+    raise ValueError(f"a row progression needs step >= 1 and count >= 0, got {step}, {count}.")
+  stack = layout.stack_of_table(table_name)
+  n = stack.num_shards
+  period = n // np.gcd(n, step)
+  runs = []
+  for q in range(min(period, count)):
+    row = int(logical_to_global_rows(layout, table_name, np.int64(first + step * q)))
+    runs.append((q, period, -(-(count - q) // period), row, step * period // n))
+  return runs

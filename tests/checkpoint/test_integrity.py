@@ -147,3 +147,19 @@ def test_a_step_asked_for_by_number_is_never_replaced(root):
     ):
       mngr.restore(2, items={"meta": ocp.args.JsonRestore()})
     assert mngr.restore(None, items={"meta": ocp.args.JsonRestore()})["meta"]["step"] == 1
+
+
+def test_links_below_finds_what_the_walk_reports_as_links(tmp_path):
+  (tmp_path / "a" / "b" / "c").mkdir(parents=True)
+  (tmp_path / "a" / "file").write_text("x")
+  (tmp_path / "a" / "b" / "c" / "data").write_text("y")
+  os.symlink(tmp_path / "a" / "file", tmp_path / "a" / "b" / "to_file")
+  os.symlink(tmp_path / "a" / "b", tmp_path / "a" / "b" / "c" / "to_folder")  # Not followed.
+  os.symlink(tmp_path / "missing", tmp_path / "dangling")
+  walked = [path for _, path, kind in _integrity.walk(tmp_path) if kind == "link"]
+  found = _integrity.links_below(tmp_path)
+  assert len(found) == 3
+  assert sorted(map(str, found)) == sorted(map(str, walked))
+  assert _integrity.links_below(tmp_path / "a" / "b" / "c") == [
+      tmp_path / "a" / "b" / "c" / "to_folder"
+  ]

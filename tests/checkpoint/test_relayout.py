@@ -94,6 +94,14 @@ def test_each_device_reads_only_the_rows_it_owns(tmp_path, monkeypatch):
     return direct(path, shape, chunk_rows, rows, out, out_rows, columns, cache)
 
   monkeypatch.setattr(_direct, "gather_rows_direct", recording_direct)
+  strided = _direct.copy_strided_direct
+
+  def recording_strided(path, shape, chunk_rows, runs, out, columns, cache=None):
+    rows = [row + step * np.arange(count) for row, step, count, _, _ in runs]
+    reads.append(np.concatenate([np.zeros(0, np.int64)] + rows))
+    return strided(path, shape, chunk_rows, runs, out, columns, cache)
+
+  monkeypatch.setattr(_direct, "copy_strided_direct", recording_strided)
   restored = _restore(path, layout)
   model.check(layout, restored.tables, restored.slots)
   # Table and slot arrays: every logical row of every table is read exactly

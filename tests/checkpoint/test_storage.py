@@ -110,6 +110,91 @@ def test_relayout_keeps_tables_and_features():
     parse_groups(" ; ")
 
 
+def _stored_array(path, rng, chunk_rows, chunks, width=12):
+  stored = rng.standard_normal((chunk_rows * chunks, width)).astype(np.float32)
+  spec = _storage.create_spec(path, stored.shape, stored.dtype, chunk_rows, ck.StorageOptions())
+  _storage.open_for_write(spec).result().write(stored).result()
+  return stored
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), cached=st.booleans())
+def test_strided_direct_copies_match_a_numpy_reference(tmp_path_factory, data, cached):
+  rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
+  chunk_rows = data.draw(st.integers(1, 9), label="chunk_rows")
+  chunks = data.draw(st.integers(1, 6), label="chunks")
+  path = tmp_path_factory.mktemp("strided") / "array"
+  stored = _stored_array(path, rng, chunk_rows, chunks)
+  total = stored.shape[0]
+  out_rows_total = data.draw(st.integers(1, 3 * total), label="out rows")
+  free = np.ones(out_rows_total, bool)
+  runs, expected = [], np.full((out_rows_total, 12), -7.0, np.float32)
+  for _ in range(data.draw(st.integers(0, 4), label="runs")):
+    row_step = data.draw(st.integers(1, chunk_rows + 2), label="row step")
+    row = data.draw(st.integers(0, total - 1), label="row")
+    out_step = data.draw(st.integers(1, 3), label="out step")
+    out_row = data.draw(st.integers(0, out_rows_total - 1), label="out row")
+    room = min((total - 1 - row) // row_step, (out_rows_total - 1 - out_row) // out_step)
+    count = data.draw(st.integers(0, room + 1), label="count")
+    targets = out_row + out_step * np.arange(count)
+    if not free[targets].all():
+      continue  # Runs write disjoint rows of out.
+    free[targets] = False
+    runs.append((row, row_step, count, out_row, out_step))
+    expected[targets, :10] = stored[row + row_step * np.arange(count), :10]
+  out = np.full((out_rows_total, 12), -7.0, np.float32)
+  cache = _direct.ChunkCache(1 << 20) if cached else None
+  done = _direct.copy_strided_direct(path, stored.shape, chunk_rows, runs, out, 10, cache)
+  if done:
+    np.testing.assert_array_equal(out, expected)
+  else:  # Declined only when the runs step over more chunks than rows they copy.
+    assert sum(run[2] for run in runs) // 4 < sum(
+        (step * (count - 1)) // chunk_rows + 2 for _, step, count, _, _ in runs if count
+    )
+    np.testing.assert_array_equal(out, np.full_like(out, -7.0))
+
+
+def test_strided_direct_copies_read_each_chunk_once_and_check_it(tmp_path, monkeypatch):
+  rng = np.random.default_rng(3)
+  path = tmp_path / "array"
+  stored = _stored_array(path, rng, chunk_rows=8, chunks=6)
+  # Two runs over the same chunks (a source of 2 shards read with step 2, say),
+  # one run that takes chunk 5 whole into full-width rows (read in place).
+  runs = [(0, 2, 20, 0, 2), (1, 2, 20, 1, 2), (40, 1, 8, 40, 1)]
+  reads = []
+  read_chunk = _direct._read_chunk
+  monkeypatch.setattr(
+      _direct, "_read_chunk", lambda file, out: (reads.append(file), read_chunk(file, out))
+  )
+  out = np.zeros((48, 12), np.float32)
+  assert _direct.copy_strided_direct(path, stored.shape, 8, runs, out, 12)
+  np.testing.assert_array_equal(out, stored)
+  assert sorted(reads) == sorted({str(path / "c" / str(c) / "0") for c in range(6)})
+  chunk = path / "c" / "2" / "0"
+  data = bytearray(chunk.read_bytes())
+  data[5] ^= 4
+  chunk.write_bytes(bytes(data))
+  with pytest.raises(ck.CorruptCheckpointError, match=rf"{chunk}.*CRC32C"):
+    _direct.copy_strided_direct(path, stored.shape, 8, runs, out, 12)
+
+
+def test_chunk_cache_resize_drops_the_oldest_chunks(tmp_path):
+  rng = np.random.default_rng(4)
+  path = tmp_path / "array"
+  stored = _stored_array(path, rng, chunk_rows=4, chunks=4)
+  chunk_bytes = 4 * 12 * 4
+  cache = _direct.ChunkCache(4 * chunk_bytes)
+  files = [str(path / "c" / str(c) / "0") for c in range(4)]
+  chunks = [cache.get(file, (4, 12), np.float32) for file in files]
+  for c, chunk in enumerate(chunks):
+    np.testing.assert_array_equal(chunk, stored[4 * c : 4 * c + 4])
+  cache.resize(2 * chunk_bytes)
+  assert list(cache._chunks) == files[2:]
+  cache.resize(0)
+  assert not cache._chunks
+  assert cache.get(files[1], (4, 12), np.float32) is not None and len(cache._chunks) == 1
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_direct_chunk_reads_match_the_stored_array(tmp_path, seed):
   rng = np.random.default_rng(seed)
@@ -138,3 +223,49 @@ def test_direct_chunk_reads_match_the_stored_array(tmp_path, seed):
   chunk.write_bytes(bytes(data))
   with pytest.raises(ck.CorruptCheckpointError, match=rf"{chunk}.*CRC32C"):
     _direct.gather_rows_direct(path, stored.shape, chunk_rows, rows, out, out_rows, 10)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_chunk_writer_pieces_read_back_through_tensorstore(tmp_path, seed):
+  """Chunks written in pieces (chunks interleaved, each in order) equal TensorStore's reading."""
+  rng = np.random.default_rng(seed)
+  chunk_rows, total = int(rng.integers(2, 9)), int(rng.integers(1, 60))
+  stored = rng.standard_normal((total, 6)).astype(np.float32)
+  path = tmp_path / "array"
+  spec = _storage.create_spec(path, stored.shape, stored.dtype, chunk_rows, ck.StorageOptions())
+  _storage.open_for_write(spec).result()
+  writer = _direct.ChunkWriter(path, chunk_rows, total)
+  cuts = np.unique(np.concatenate([[0, total], rng.integers(0, total + 1, size=8)]))
+  pieces = [
+      piece for a, b in zip(cuts[:-1], cuts[1:]) for piece in writer.pieces(int(a), int(b))
+  ]
+  assert all(a // chunk_rows == chunk == (b - 1) // chunk_rows for chunk, a, b in pieces)
+  queues = {}  # Interleave chunks at random, each chunk's pieces in order.
+  for piece in pieces:
+    queues.setdefault(piece[0], []).append(piece)
+  while queues:
+    chunk = int(rng.choice(sorted(queues)))
+    _, a, b = queues[chunk].pop(0)
+    if not queues[chunk]:
+      del queues[chunk]
+    if a and rng.random() < 0.3 and writer.unfinished():
+      with pytest.raises(ValueError, match="in order"):
+        writer.write(a + 1 if b > a + 1 else a - 1, stored[a:b])
+    writer.write(a, stored[a:b])
+  assert writer.unfinished() == []
+  assert_same_bits(_storage.open_for_read(path).result().read().result(), stored)
+  if total % chunk_rows == 0:  # The direct reader (which takes whole arrays of whole chunks).
+    out = np.empty_like(stored)
+    assert _direct.read_chunks_direct(path, chunk_rows, 0, total, total, out)
+    assert_same_bits(out, stored)
+
+
+def test_chunk_writer_reports_unfinished_chunks_and_never_overwrites(tmp_path):
+  path = tmp_path / "array"
+  writer = _direct.ChunkWriter(path, 4, 10)
+  data = np.arange(24, dtype=np.float32).reshape(8, 3)
+  writer.write(0, data[:2])
+  writer.write(4, data[4:8])
+  assert writer.unfinished() == [0]
+  with pytest.raises(FileExistsError):
+    _direct.ChunkWriter(path, 4, 10).write(4, data[4:8])

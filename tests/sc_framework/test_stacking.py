@@ -32,6 +32,7 @@ from sc_framework.stacking import (
     global_to_logical_rows,
     is_padding_row,
     layout_for_stacking,
+    logical_progression_to_global,
     logical_to_global_rows,
     normalize_stacking,
     shard_of_global_row,
@@ -40,6 +41,7 @@ from sc_framework.stacking import (
     stack_block,
     stack_name,
     stack_tables,
+    table_row_runs_in_block,
     table_rows_in_block,
     unstack,
     unstacked_layout,
@@ -428,6 +430,40 @@ def test_blocks_equal_slices_of_the_stack(model, seed, row_width, data):
       order = np.argsort(all_rows[inside])
       np.testing.assert_array_equal(global_rows, all_rows[inside][order])
       np.testing.assert_array_equal(logical_rows, inside[order])
+      # The same rows as runs: global rows g + j hold logical rows i0 + N j.
+      runs = table_row_runs_in_block(stack_layout, k, start, stop)
+      n = stack_layout.num_shards
+      run_globals = [np.arange(g, g + count) for g, _, count in runs]
+      run_logicals = [first + n * np.arange(count) for _, first, count in runs]
+      np.testing.assert_array_equal(np.concatenate([[]] + run_globals), global_rows)
+      np.testing.assert_array_equal(np.concatenate([[]] + run_logicals), logical_rows)
+
+
+@_SETTINGS
+@given(model=_models(), data=st.data())
+def test_logical_progressions_map_to_strided_global_runs(model, data):
+  _, layout = model
+  for stack_layout in layout.stacks:
+    ref = _ref_of(layout, stack_layout)
+    for k, table in enumerate(stack_layout.tables):
+      step = data.draw(st.integers(1, 3 * stack_layout.num_shards + 2), label="step")
+      first = data.draw(st.integers(0, table.vocabulary_size - 1), label="first")
+      count = data.draw(st.integers(0, (table.vocabulary_size - 1 - first) // step + 1))
+      runs = logical_progression_to_global(layout, table.name, first, step, count)
+      assert len(runs) <= stack_layout.num_shards
+      got = np.full(count, -1, np.int64)
+      for j0, j_step, length, row, row_step in runs:
+        positions = j0 + j_step * np.arange(length)
+        assert (got[positions] == -1).all(), "two runs cover one position"
+        got[positions] = row + row_step * np.arange(length)
+      expected = [ref.global_row[(k, first + step * j)] for j in range(count)]
+      np.testing.assert_array_equal(got, np.asarray(expected, np.int64).reshape(-1))
+
+
+def test_logical_progressions_refuse_a_step_below_one():
+  layout = stack_tables(_features(TableSpec("t", 40, 8)), [["t"]], 2)
+  with pytest.raises(ValueError, match="step >= 1"):
+    logical_progression_to_global(layout, "t", 0, 0, 3)
 
 
 @_SETTINGS
