@@ -15,7 +15,8 @@ With pipelining the lookup reads the tables one update stale (a_{k+1} sees
 T_k, not T_{k+1}); every batch is applied exactly once because the last step
 drains. The carried a_k is the lookup's result as each stack holds it
 (`stacked_lookup`: one buffer per stack), cut into features only inside the
-step that reads it, so no program copies it into per-feature outputs. All functions are pure: the state goes in and comes out (donated).
+step that reads it, so no program copies it into per-feature outputs. All
+functions are pure: the state goes in and comes out (donated).
 Every step is built from the parts the Flax layers' train steps use
 (`sc_framework.flax`: `value_and_grads`, `dense_update`, `sparse_update`) and
 follows their convention for the loss: a scalar, or (loss, aux dict), whose
