@@ -263,7 +263,8 @@ class TrainerCheckpoints:
     if self._rows is not None:  # The state is `step`'s: rows since, and those still to apply.
       self._rows.clear()
       self._readd_recent()
-      if isinstance(in_flight, FeatureInFlight):  # A SavedInFlight is tracked once preprocessed again.
+      # A SavedInFlight is tracked once preprocessed again.
+      if isinstance(in_flight, FeatureInFlight):
         self.track(in_flight.batch.sparse)
     return state, in_flight, meta.get("data") or {}
 
