@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from sc_framework.preprocessing import _native
 from sc_framework.preprocessing._scratch import scratch
 
 _SORT_RUN = 1 << 16  # keys per sort call (whole samples)
@@ -96,7 +97,12 @@ def _sort_by_sample(keys: np.ndarray, sample_ends: np.ndarray, weights: np.ndarr
 
 
 def _drop_repeats(values: np.ndarray, first: np.ndarray, repeats: np.ndarray, name: str):
-  """values[first]; with few repeats, copied run by run into a scratch array."""
+  """values[first]; with few repeats (or the C++ loops), copied run by run into a scratch array."""
+  kernels = _native.host_kernels()
+  if kernels is not None:
+    out = scratch(name, values.size - repeats.size, values.dtype)
+    kernels.compact(values, repeats, out)
+    return out
   if repeats.size > _MAX_COPY_RUNS:
     return values[first]
   out = scratch(name, values.size - repeats.size, values.dtype)
@@ -123,7 +129,12 @@ def merge(keys: np.ndarray, weights: np.ndarray | None, samples: np.ndarray,
   """
   n = keys.size
   repeats = np.zeros(0, np.int64)
-  if n > 1:
+  kernels = _native.host_kernels()
+  if n > 1 and kernels is not None:
+    found = scratch("repeats", n - 1, np.int64)
+    repeats = found[:kernels.sort_samples(keys, weights, lengths.astype(np.int64, copy=False),
+                                          found)].copy()
+  elif n > 1:
     step = scratch("compare", n - 1, np.bool_)
     if np.less(keys[1:], keys[:-1], out=step).any():
       _sort_by_sample(keys, np.cumsum(lengths), weights)

@@ -39,6 +39,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from sc_framework.preprocessing import _native
 from sc_framework.preprocessing._assemble import StackKeys
 from sc_framework.preprocessing._batch import StackBatch
 from sc_framework.preprocessing._dedup import Merged, merge
@@ -62,10 +63,16 @@ class _Rows(NamedTuple):
   stride: int  # U, or the largest distinct count if that is larger
 
 
-def _distinct(rows: np.ndarray, v_s: int) -> tuple[np.ndarray, np.ndarray | None]:
-  """(ascending distinct values of rows, their rank for every row or None for bitmap)."""
+def _distinct(rows: np.ndarray, v_s: int, out: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+  """(ascending distinct values of rows, their rank for every row or None for bitmap).
+
+  out: int64 [rows.size], where the C++ loops write the distinct values.
+  """
   if v_s <= max(_BITMAP_FACTOR * rows.size, _BITMAP_MIN):
     mark = clear_mask(v_s)
+    kernels = _native.host_kernels()
+    if kernels is not None:
+      return out[:kernels.distinct_rows(rows, mark, out)], None
     distinct = None
     try:
       mark[rows] = True
@@ -90,7 +97,10 @@ def _locate_rows(rows: np.ndarray, bounds, v_s: int, r: int, n_count: int,
                  unique_capacity: int) -> _Rows:
   """Step 2: distinct rows, counts and unique indices of every device's entries."""
   g_count = len(bounds) - 1
-  found = [_distinct(rows[bounds[g]:bounds[g + 1]], v_s) for g in range(g_count)]
+  # Device g's distinct rows (at most its entries) may go to out[bounds[g]:bounds[g + 1]].
+  out = scratch("distinct", rows.size, np.int64)
+  found = [_distinct(rows[bounds[g]:bounds[g + 1]], v_s, out[bounds[g]:bounds[g + 1]])
+           for g in range(g_count)]
   shard_starts = np.arange(n_count + 1, dtype=np.int64) * r
   edges = np.stack([np.searchsorted(distinct, shard_starts) for distinct, _ in found])
   unique_counts = np.diff(edges, axis=1)
@@ -107,8 +117,12 @@ def _locate_rows(rows: np.ndarray, bounds, v_s: int, r: int, n_count: int,
       values = values + np.repeat(shift, unique_counts[g]).astype(dtype)
     if rank is None:
       index = scratch("index", v_s, dtype)
-      index[distinct] = values
-      index.take(rows[lo:hi], mode="clip", out=unique_index[lo:hi])
+      kernels = _native.host_kernels()
+      if kernels is not None:
+        kernels.scatter_gather(index, distinct, values, rows[lo:hi], unique_index[lo:hi])
+      else:
+        index[distinct] = values
+        index.take(rows[lo:hi], mode="clip", out=unique_index[lo:hi])
     else:
       unique_index[lo:hi] = values[rank]
     if n_count == 1:

@@ -1,0 +1,532 @@
+// C++ loops for host preprocessing: the passes over every id of a batch that
+// numpy can only express as a sort, a scatter or several temporaries.
+//
+// Each function computes exactly what the numpy code it stands for computes
+// (`_native.py` names it; the tests compare the two bit for bit), works
+// in place on arrays the caller allocated (1-D, C-contiguous, checked by item
+// size), checks every index it follows, and releases the GIL while it loops.
+//
+//   fill_keys(keys, samples, ids, lengths, first_sample, v_s, n, r, offset, rotation)
+//       For the ids of consecutive samples first_sample, first_sample + 1, ...
+//       (lengths[s] ids each): samples[j] = b and keys[j] = b * v_s + row(id_j),
+//       row(i) = ((i mod n + rotation) mod n) * r + floor(i / n) + offset.
+//   sort_samples(keys, weights | None, lengths, repeats) -> d
+//       Stably sorts every sample's keys (lengths[s] each, weights alongside)
+//       and writes the d ascending positions j with keys[j] == keys[j - 1].
+//   compact(values, repeats, out)
+//       out = values without the positions in `repeats` (ascending).
+//   distinct_rows(rows, mark, out) -> k
+//       out[:k] = the distinct values of rows, ascending, from a byte map
+//       `mark` over [0, V) that is all zero on entry and on exit.
+//   scatter_gather(index, distinct, values, rows, out)
+//       index[distinct[j]] = values[j], then out[i] = index[rows[i]].
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <system_error>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace {
+
+// A held buffer of a 1-D C-contiguous array whose items have a given size.
+class Array {
+ public:
+  Array() = default;
+  Array(const Array&) = delete;
+  Array& operator=(const Array&) = delete;
+  ~Array() {
+    if (held_) PyBuffer_Release(&view_);
+  }
+
+  // Takes `object`'s buffer; on a mismatch sets a Python error, returns false.
+  bool Take(PyObject* object, const char* name, Py_ssize_t itemsize, bool writable) {
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(object, &view_, flags) != 0) {
+      PyErr_Format(PyExc_TypeError, "%s must be a%s C-contiguous array", name,
+                   writable ? " writable" : "");
+      return false;
+    }
+    held_ = true;
+    if (view_.ndim != 1 || view_.itemsize != itemsize) {
+      PyErr_Format(PyExc_TypeError, "%s must be 1-D with %zd-byte items, got %d-D with %zd",
+                   name, itemsize, view_.ndim, view_.itemsize);
+      return false;
+    }
+    return true;
+  }
+
+  template <typename T>
+  T* data() const {
+    return static_cast<T*>(view_.buf);
+  }
+  Py_ssize_t size() const { return view_.shape[0]; }
+  Py_ssize_t itemsize() const { return view_.itemsize; }
+
+ private:
+  Py_buffer view_{};
+  bool held_ = false;
+};
+
+// The item size of `object`'s buffer, or -1 with a Python error.
+Py_ssize_t ItemSize(PyObject* object, const char* name) {
+  Py_buffer view;
+  if (PyObject_GetBuffer(object, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0) {
+    PyErr_Format(PyExc_TypeError, "%s must be a C-contiguous array", name);
+    return -1;
+  }
+  const Py_ssize_t itemsize = view.itemsize;
+  PyBuffer_Release(&view);
+  return itemsize;
+}
+
+bool SizeError(const char* what, Py_ssize_t expected, Py_ssize_t actual) {
+  PyErr_Format(PyExc_ValueError, "%s: expected %zd, got %zd", what, expected, actual);
+  return false;
+}
+
+// Sum of lengths, or -1 (with a Python error) when one is negative.
+Py_ssize_t Total(const Array& lengths) {
+  const int64_t* length = lengths.data<int64_t>();
+  Py_ssize_t total = 0;
+  for (Py_ssize_t s = 0; s < lengths.size(); ++s) {
+    if (length[s] < 0) {
+      PyErr_Format(PyExc_ValueError, "lengths[%zd] = %lld is negative", s,
+                   static_cast<long long>(length[s]));
+      return -1;
+    }
+    total += length[s];
+  }
+  return total;
+}
+
+// Parts a loop over `work` items splits into: one per hardware thread (at
+// most 8), each with at least kMinPartWork items.
+constexpr Py_ssize_t kMinPartWork = 1 << 16;
+
+int NumParts(Py_ssize_t work) {
+  static const int threads =
+      std::clamp(static_cast<int>(std::thread::hardware_concurrency()), 1, 8);
+  return static_cast<int>(std::clamp<Py_ssize_t>(work / kMinPartWork, 1, threads));
+}
+
+// Runs part(0), ..., part(parts - 1), all but the first on threads of their
+// own (inline when a thread cannot start); returns when all are done.
+template <typename Part>
+void RunParts(int parts, const Part& part) {
+  std::vector<std::thread> threads;
+  for (int p = 1; p < parts; ++p) {
+    try {
+      threads.emplace_back(part, p);
+    } catch (const std::system_error&) {
+      part(p);
+    }
+  }
+  part(0);
+  for (std::thread& thread : threads) thread.join();
+}
+
+// ---------------------------------------------------------------- fill_keys
+
+template <typename Id>
+void FillKeys(int64_t* keys, int32_t* samples, const Id* ids, const int64_t* lengths,
+              Py_ssize_t num_samples, int64_t first_sample, int64_t v_s, int64_t n, int64_t r,
+              int64_t offset, int64_t rotation) {
+  Py_ssize_t j = 0;
+  for (Py_ssize_t s = 0; s < num_samples; ++s) {
+    const int64_t b = first_sample + s;
+    const int64_t base = b * v_s + offset;
+    const Py_ssize_t end = j + lengths[s];
+    if (n == 1) {
+      for (; j < end; ++j) {
+        keys[j] = base + static_cast<int64_t>(ids[j]);
+        samples[j] = static_cast<int32_t>(b);
+      }
+    } else {
+      for (; j < end; ++j) {
+        const int64_t id = static_cast<int64_t>(ids[j]);
+        int64_t shard = id % n + rotation;
+        if (shard >= n) shard -= n;
+        keys[j] = base + shard * r + id / n;
+        samples[j] = static_cast<int32_t>(b);
+      }
+    }
+  }
+}
+
+PyObject* fill_keys(PyObject*, PyObject* args) {
+  PyObject *keys_object, *samples_object, *ids_object, *lengths_object;
+  long long first_sample, v_s, n, r, offset, rotation;
+  if (!PyArg_ParseTuple(args, "OOOOLLLLLL", &keys_object, &samples_object, &ids_object,
+                        &lengths_object, &first_sample, &v_s, &n, &r, &offset, &rotation)) {
+    return nullptr;
+  }
+  Array keys, samples, ids, lengths;
+  if (!keys.Take(keys_object, "keys", 8, true) ||
+      !samples.Take(samples_object, "samples", 4, true) ||
+      !lengths.Take(lengths_object, "lengths", 8, false)) {
+    return nullptr;
+  }
+  const Py_ssize_t id_size = ItemSize(ids_object, "ids");
+  if (id_size < 0) return nullptr;
+  if ((id_size != 4 && id_size != 8) || !ids.Take(ids_object, "ids", id_size, false)) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "ids must be int32 or int64");
+    return nullptr;
+  }
+  const Py_ssize_t total = Total(lengths);
+  if (total < 0) return nullptr;
+  if (total != ids.size()) return SizeError("ids: sum of lengths", total, ids.size()), nullptr;
+  if (keys.size() != total) return SizeError("keys: sum of lengths", total, keys.size()), nullptr;
+  if (samples.size() != total) {
+    return SizeError("samples: sum of lengths", total, samples.size()), nullptr;
+  }
+  if (n < 1 || rotation < 0 || rotation >= n) {
+    PyErr_Format(PyExc_ValueError, "need 0 <= rotation < n, got rotation %lld, n %lld", rotation,
+                 n);
+    return nullptr;
+  }
+  Py_BEGIN_ALLOW_THREADS;
+  if (id_size == 4) {
+    FillKeys(keys.data<int64_t>(), samples.data<int32_t>(), ids.data<int32_t>(),
+             lengths.data<int64_t>(), lengths.size(), first_sample, v_s, n, r, offset, rotation);
+  } else {
+    FillKeys(keys.data<int64_t>(), samples.data<int32_t>(), ids.data<int64_t>(),
+             lengths.data<int64_t>(), lengths.size(), first_sample, v_s, n, r, offset, rotation);
+  }
+  Py_END_ALLOW_THREADS;
+  Py_RETURN_NONE;
+}
+
+// ---------------------------------------------------------------- sort_samples
+
+constexpr Py_ssize_t kRankMax = 32;  // longer samples: std::sort / std::stable_sort
+constexpr int kIndexBits = 5;           // 2^5 = kRankMax
+
+// Ranks of `code[0, len)` (distinct values): rank[i] = #{j : code[j] < code[i]}.
+// Every inner loop runs len times, so the branch predictor learns it per
+// sample, and the compiler vectorises the comparisons.
+template <typename Code>
+void Ranks(const Code* code, Py_ssize_t len, int32_t* rank) {
+  for (Py_ssize_t i = 0; i < len; ++i) {
+    const Code c = code[i];
+    int32_t r = 0;
+    for (Py_ssize_t j = 0; j < len; ++j) r += code[j] < c;
+    rank[i] = r;
+  }
+}
+
+// Stable sort of keys[0, len) (weights alongside when not null) for len <=
+// kRankMax, or false when the keys span too much for the codes below. Key i
+// gets the code ((key_i - min key) << 5) | i: codes are distinct and ordered
+// as (key, i), so a code's rank is key i's place in the stable order.
+bool RankSort(int64_t* keys, float* weights, Py_ssize_t len) {
+  int64_t low = keys[0], high = keys[0];
+  for (Py_ssize_t i = 1; i < len; ++i) {
+    low = std::min(low, keys[i]);
+    high = std::max(high, keys[i]);
+  }
+  const uint64_t span = static_cast<uint64_t>(high) - static_cast<uint64_t>(low);
+  int32_t rank[kRankMax];
+  if (span < (uint64_t{1} << (31 - kIndexBits))) {
+    int32_t code[kRankMax];
+    for (Py_ssize_t i = 0; i < len; ++i) {
+      code[i] = static_cast<int32_t>(((keys[i] - low) << kIndexBits) | i);
+    }
+    Ranks(code, len, rank);
+  } else if (span < (uint64_t{1} << (63 - kIndexBits))) {
+    int64_t code[kRankMax];
+    for (Py_ssize_t i = 0; i < len; ++i) code[i] = ((keys[i] - low) << kIndexBits) | i;
+    Ranks(code, len, rank);
+  } else {
+    return false;
+  }
+  int64_t key[kRankMax];
+  float weight[kRankMax];
+  std::memcpy(key, keys, len * sizeof(int64_t));
+  for (Py_ssize_t i = 0; i < len; ++i) keys[rank[i]] = key[i];
+  if (weights) {
+    std::memcpy(weight, weights, len * sizeof(float));
+    for (Py_ssize_t i = 0; i < len; ++i) weights[rank[i]] = weight[i];
+  }
+  return true;
+}
+
+struct Sorter {
+  std::vector<std::pair<int64_t, float>> pairs;
+
+  void Sort(int64_t* keys, float* weights, Py_ssize_t len) {
+    if (len <= 1) return;
+    if (len <= kRankMax && RankSort(keys, weights, len)) return;
+    if (std::is_sorted(keys, keys + len)) return;
+    if (!weights) {
+      std::sort(keys, keys + len);  // equal keys are indistinguishable
+      return;
+    }
+    pairs.resize(len);
+    for (Py_ssize_t i = 0; i < len; ++i) pairs[i] = {keys[i], weights[i]};
+    std::stable_sort(pairs.begin(), pairs.end(),
+                     [](const auto& a, const auto& b) { return a.first < b.first; });
+    for (Py_ssize_t i = 0; i < len; ++i) {
+      keys[i] = pairs[i].first;
+      weights[i] = pairs[i].second;
+    }
+  }
+};
+
+PyObject* sort_samples(PyObject*, PyObject* args) {
+  PyObject *keys_object, *weights_object, *lengths_object, *repeats_object;
+  if (!PyArg_ParseTuple(args, "OOOO", &keys_object, &weights_object, &lengths_object,
+                        &repeats_object)) {
+    return nullptr;
+  }
+  Array keys, weights, lengths, repeats;
+  if (!keys.Take(keys_object, "keys", 8, true) ||
+      (weights_object != Py_None && !weights.Take(weights_object, "weights", 4, true)) ||
+      !lengths.Take(lengths_object, "lengths", 8, false) ||
+      !repeats.Take(repeats_object, "repeats", 8, true)) {
+    return nullptr;
+  }
+  const Py_ssize_t total = Total(lengths);
+  if (total < 0) return nullptr;
+  if (keys.size() != total) return SizeError("keys: sum of lengths", total, keys.size()), nullptr;
+  if (weights_object != Py_None && weights.size() != total) {
+    return SizeError("weights: sum of lengths", total, weights.size()), nullptr;
+  }
+  if (repeats.size() < std::max<Py_ssize_t>(total - 1, 0)) {
+    return SizeError("repeats: at least", std::max<Py_ssize_t>(total - 1, 0), repeats.size()),
+           nullptr;
+  }
+  int64_t* key = keys.data<int64_t>();
+  float* weight = weights_object == Py_None ? nullptr : weights.data<float>();
+  const int64_t* length = lengths.data<int64_t>();
+  int64_t* repeat = repeats.data<int64_t>();
+  Py_ssize_t count = 0;
+  Py_BEGIN_ALLOW_THREADS;
+  // Part p sorts samples [first[p], first[p + 1]), keys from start[p]; its
+  // repeats go to found[p], then in order to `repeat`.
+  const Py_ssize_t num_samples = lengths.size();
+  const int parts = NumParts(total);
+  std::vector<Py_ssize_t> first(parts + 1), start(parts + 1, 0);
+  for (int p = 0; p <= parts; ++p) first[p] = num_samples * p / parts;
+  for (int p = 0; p < parts; ++p) {
+    start[p + 1] = start[p];
+    for (Py_ssize_t s = first[p]; s < first[p + 1]; ++s) start[p + 1] += length[s];
+  }
+  std::vector<std::vector<int64_t>> found(parts);
+  RunParts(parts, [&](int p) {
+    Sorter sorter;
+    Py_ssize_t at = start[p];
+    for (Py_ssize_t s = first[p]; s < first[p + 1]; ++s) {
+      const Py_ssize_t len = length[s];
+      sorter.Sort(key + at, weight ? weight + at : nullptr, len);
+      for (Py_ssize_t i = at + 1; i < at + len; ++i) {
+        if (key[i] == key[i - 1]) found[p].push_back(i);
+      }
+      at += len;
+    }
+  });
+  for (const std::vector<int64_t>& part : found) {
+    std::copy(part.begin(), part.end(), repeat + count);
+    count += static_cast<Py_ssize_t>(part.size());
+  }
+  Py_END_ALLOW_THREADS;
+  return PyLong_FromSsize_t(count);
+}
+
+// ---------------------------------------------------------------- compact
+
+// Checks that repeats are ascending positions in [0, size); else a Python error.
+bool CheckPositions(const int64_t* repeat, Py_ssize_t count, Py_ssize_t size) {
+  int64_t previous = -1;
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    if (repeat[i] <= previous || repeat[i] >= size) {
+      PyErr_Format(PyExc_ValueError,
+                   "repeats[%zd] = %lld: positions must ascend within [0, %zd)", i,
+                   static_cast<long long>(repeat[i]), size);
+      return false;
+    }
+    previous = repeat[i];
+  }
+  return true;
+}
+
+PyObject* compact(PyObject*, PyObject* args) {
+  PyObject *values_object, *repeats_object, *out_object;
+  if (!PyArg_ParseTuple(args, "OOO", &values_object, &repeats_object, &out_object)) {
+    return nullptr;
+  }
+  const Py_ssize_t itemsize = ItemSize(values_object, "values");
+  if (itemsize < 0) return nullptr;
+  Array values, repeats, out;
+  if (!values.Take(values_object, "values", itemsize, false) ||
+      !repeats.Take(repeats_object, "repeats", 8, false) ||
+      !out.Take(out_object, "out", itemsize, true)) {
+    return nullptr;
+  }
+  const int64_t* repeat = repeats.data<int64_t>();
+  const Py_ssize_t count = repeats.size(), size = values.size();
+  if (!CheckPositions(repeat, count, size)) return nullptr;
+  if (out.size() != size - count) return SizeError("out: values - repeats", size - count,
+                                                   out.size()), nullptr;
+  const char* source = values.data<char>();
+  char* target = out.data<char>();
+  Py_BEGIN_ALLOW_THREADS;
+  Py_ssize_t start = 0, written = 0;
+  for (Py_ssize_t i = 0; i <= count; ++i) {
+    const Py_ssize_t stop = i < count ? repeat[i] : size;
+    std::memcpy(target + written * itemsize, source + start * itemsize,
+                (stop - start) * itemsize);
+    written += stop - start;
+    start = stop + 1;
+  }
+  Py_END_ALLOW_THREADS;
+  Py_RETURN_NONE;
+}
+
+// ---------------------------------------------------------------- distinct_rows
+
+// Index of the first row outside [0, size), or -1.
+Py_ssize_t FirstOutside(const int64_t* rows, Py_ssize_t count, Py_ssize_t size) {
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    if (static_cast<uint64_t>(rows[i]) >= static_cast<uint64_t>(size)) return i;
+  }
+  return -1;
+}
+
+bool OutsideError(const char* name, const int64_t* rows, Py_ssize_t i, Py_ssize_t size) {
+  PyErr_Format(PyExc_ValueError, "%s[%zd] = %lld is outside [0, %zd)", name, i,
+               static_cast<long long>(rows[i]), size);
+  return false;
+}
+
+PyObject* distinct_rows(PyObject*, PyObject* args) {
+  PyObject *rows_object, *mark_object, *out_object;
+  if (!PyArg_ParseTuple(args, "OOO", &rows_object, &mark_object, &out_object)) return nullptr;
+  Array rows, mark, out;
+  if (!rows.Take(rows_object, "rows", 8, false) || !mark.Take(mark_object, "mark", 1, true) ||
+      !out.Take(out_object, "out", 8, true)) {
+    return nullptr;
+  }
+  const int64_t* row = rows.data<int64_t>();
+  const Py_ssize_t size = mark.size();
+  const Py_ssize_t outside = FirstOutside(row, rows.size(), size);
+  if (outside >= 0) return OutsideError("rows", row, outside, size), nullptr;
+  if (out.size() < std::min(rows.size(), size)) {
+    return SizeError("out: at least", std::min(rows.size(), size), out.size()), nullptr;
+  }
+  uint8_t* flag = mark.data<uint8_t>();
+  int64_t* distinct = out.data<int64_t>();
+  const Py_ssize_t capacity = out.size();
+  Py_ssize_t count = 0;
+  Py_BEGIN_ALLOW_THREADS;
+  for (Py_ssize_t i = 0; i < rows.size(); ++i) flag[row[i]] = 1;
+  // Scan eight bytes at a time, skipping words without a mark.
+  Py_ssize_t v = 0;
+  for (; v + 8 <= size; v += 8) {
+    uint64_t word;
+    std::memcpy(&word, flag + v, 8);
+    if (word == 0) continue;
+    if (count + 8 <= capacity) {
+      for (Py_ssize_t k = 0; k < 8; ++k) {  // branch-free: a write per byte, kept if marked
+        distinct[count] = v + k;
+        count += flag[v + k];
+      }
+    } else {
+      for (Py_ssize_t k = 0; k < 8; ++k) {
+        if (flag[v + k]) distinct[count++] = v + k;
+      }
+    }
+    std::memset(flag + v, 0, 8);
+  }
+  for (; v < size; ++v) {
+    if (flag[v]) {
+      distinct[count++] = v;
+      flag[v] = 0;
+    }
+  }
+  Py_END_ALLOW_THREADS;
+  return PyLong_FromSsize_t(count);
+}
+
+// ---------------------------------------------------------------- scatter_gather
+
+template <typename T>
+void ScatterGather(T* index, const int64_t* distinct, const T* values, Py_ssize_t count,
+                   const int64_t* rows, T* out, Py_ssize_t size) {
+  for (Py_ssize_t j = 0; j < count; ++j) index[distinct[j]] = values[j];
+  const int parts = NumParts(size);
+  RunParts(parts, [&](int p) {
+    const Py_ssize_t end = size * (p + 1) / parts;
+    for (Py_ssize_t i = size * p / parts; i < end; ++i) out[i] = index[rows[i]];
+  });
+}
+
+PyObject* scatter_gather(PyObject*, PyObject* args) {
+  PyObject *index_object, *distinct_object, *values_object, *rows_object, *out_object;
+  if (!PyArg_ParseTuple(args, "OOOOO", &index_object, &distinct_object, &values_object,
+                        &rows_object, &out_object)) {
+    return nullptr;
+  }
+  const Py_ssize_t itemsize = ItemSize(index_object, "index");
+  if (itemsize < 0) return nullptr;
+  if (itemsize != 4 && itemsize != 8) {
+    PyErr_SetString(PyExc_TypeError, "index must be int32 or int64");
+    return nullptr;
+  }
+  Array index, distinct, values, rows, out;
+  if (!index.Take(index_object, "index", itemsize, true) ||
+      !distinct.Take(distinct_object, "distinct", 8, false) ||
+      !values.Take(values_object, "values", itemsize, false) ||
+      !rows.Take(rows_object, "rows", 8, false) ||
+      !out.Take(out_object, "out", itemsize, true)) {
+    return nullptr;
+  }
+  if (values.size() != distinct.size()) {
+    return SizeError("values: len(distinct)", distinct.size(), values.size()), nullptr;
+  }
+  if (out.size() != rows.size()) return SizeError("out: len(rows)", rows.size(), out.size()),
+                                        nullptr;
+  const Py_ssize_t size = index.size();
+  Py_ssize_t outside = FirstOutside(distinct.data<int64_t>(), distinct.size(), size);
+  if (outside >= 0) return OutsideError("distinct", distinct.data<int64_t>(), outside, size),
+                           nullptr;
+  outside = FirstOutside(rows.data<int64_t>(), rows.size(), size);
+  if (outside >= 0) return OutsideError("rows", rows.data<int64_t>(), outside, size), nullptr;
+  Py_BEGIN_ALLOW_THREADS;
+  if (itemsize == 4) {
+    ScatterGather(index.data<int32_t>(), distinct.data<int64_t>(), values.data<int32_t>(),
+                  distinct.size(), rows.data<int64_t>(), out.data<int32_t>(), rows.size());
+  } else {
+    ScatterGather(index.data<int64_t>(), distinct.data<int64_t>(), values.data<int64_t>(),
+                  distinct.size(), rows.data<int64_t>(), out.data<int64_t>(), rows.size());
+  }
+  Py_END_ALLOW_THREADS;
+  Py_RETURN_NONE;
+}
+
+PyMethodDef kMethods[] = {
+    {"fill_keys", fill_keys, METH_VARARGS, "Keys and samples of consecutive samples' ids."},
+    {"sort_samples", sort_samples, METH_VARARGS,
+     "Stable sort of every sample's keys; returns the number of repeats written."},
+    {"compact", compact, METH_VARARGS, "values without the repeat positions, into out."},
+    {"distinct_rows", distinct_rows, METH_VARARGS, "Ascending distinct rows via a byte map."},
+    {"scatter_gather", scatter_gather, METH_VARARGS,
+     "index[distinct] = values, then out = index[rows]."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef kModule = {
+    PyModuleDef_HEAD_INIT, "_host_kernels",
+    "C++ loops of host preprocessing (see _native.py).", -1, kMethods,
+    nullptr, nullptr, nullptr, nullptr,
+};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__host_kernels() { return PyModule_Create(&kModule); }

@@ -1,0 +1,33 @@
+"""The optional C++ loops of host preprocessing (`_host_kernels.cc`), or None.
+
+setup.py builds them where a C++17 compiler is available (optional: without
+one, installing still succeeds). Every caller keeps its numpy code and uses
+it when `host_kernels()` is None; the two give the same results bit for bit
+(the tests run both). The C++ loops replace what numpy can only express with
+a sort, a scatter or extra temporaries:
+
+  fill_keys       `_assemble`: keys b * V_s + global row and samples, one pass
+  sort_samples    `_dedup.merge`: each sample's keys sorted stably (weights
+                  alongside) and the positions of repeated keys
+  compact         `_dedup`: the keys and samples of the entries (repeats left out)
+  distinct_rows   `_partition`: a device's ascending distinct rows (byte map)
+  scatter_gather  `_partition`: unique index of every entry through a [V_s] table
+
+They release the GIL while they loop, so preprocessing threads (e.g. a
+prefetching input pipeline) run them concurrently with the training step.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+
+@functools.cache
+def host_kernels() -> ModuleType | None:
+  """The built extension module, or None when it was not built here."""
+  try:
+    from sc_framework.preprocessing import _host_kernels  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  return _host_kernels
