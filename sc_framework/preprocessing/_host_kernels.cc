@@ -10,11 +10,11 @@
 //       For the ids of consecutive samples first_sample, first_sample + 1, ...
 //       (lengths[s] ids each): samples[j] = b and keys[j] = b * v_s + row(id_j),
 //       row(i) = ((i mod n + rotation) mod n) * r + floor(i / n) + offset.
-//   sort_samples(keys, weights | None, lengths, repeats) -> d
-//       Stably sorts every sample's keys (lengths[s] each, weights alongside)
-//       and writes the d ascending positions j with keys[j] == keys[j - 1].
-//   compact(values, repeats, out)
-//       out = values without the positions in `repeats` (ascending).
+//   merge_samples(keys, weights | None, lengths, repeats, v_s, samples) -> d
+//       Stably sorts the keys of every sample s (lengths[s] each, weights
+//       alongside), writes the d ascending positions j with sorted keys[j] ==
+//       keys[j - 1] to repeats, then the n - d entries (the other positions,
+//       in order): keys[e] = their key - s * v_s (the row), samples[e] = s.
 //   distinct_rows(rows, mark, out) -> k
 //       out[:k] = the distinct values of rows, ascending, from a byte map
 //       `mark` over [0, V) that is all zero on entry and on exit.
@@ -279,17 +279,19 @@ struct Sorter {
   }
 };
 
-PyObject* sort_samples(PyObject*, PyObject* args) {
-  PyObject *keys_object, *weights_object, *lengths_object, *repeats_object;
-  if (!PyArg_ParseTuple(args, "OOOO", &keys_object, &weights_object, &lengths_object,
-                        &repeats_object)) {
+PyObject* merge_samples(PyObject*, PyObject* args) {
+  PyObject *keys_object, *weights_object, *lengths_object, *repeats_object, *samples_object;
+  long long v_s;
+  if (!PyArg_ParseTuple(args, "OOOOLO", &keys_object, &weights_object, &lengths_object,
+                        &repeats_object, &v_s, &samples_object)) {
     return nullptr;
   }
-  Array keys, weights, lengths, repeats;
+  Array keys, weights, lengths, repeats, samples;
   if (!keys.Take(keys_object, "keys", 8, true) ||
       (weights_object != Py_None && !weights.Take(weights_object, "weights", 4, true)) ||
       !lengths.Take(lengths_object, "lengths", 8, false) ||
-      !repeats.Take(repeats_object, "repeats", 8, true)) {
+      !repeats.Take(repeats_object, "repeats", 8, true) ||
+      !samples.Take(samples_object, "samples", 4, true)) {
     return nullptr;
   }
   const Py_ssize_t total = Total(lengths);
@@ -298,21 +300,28 @@ PyObject* sort_samples(PyObject*, PyObject* args) {
   if (weights_object != Py_None && weights.size() != total) {
     return SizeError("weights: sum of lengths", total, weights.size()), nullptr;
   }
-  if (repeats.size() < std::max<Py_ssize_t>(total - 1, 0)) {
-    return SizeError("repeats: at least", std::max<Py_ssize_t>(total - 1, 0), repeats.size()),
-           nullptr;
+  if (repeats.size() < total) return SizeError("repeats: at least", total, repeats.size()),
+                                     nullptr;
+  if (samples.size() < total) return SizeError("samples: at least", total, samples.size()),
+                                     nullptr;
+  if (lengths.size() > std::numeric_limits<int32_t>::max()) {
+    PyErr_SetString(PyExc_ValueError, "more samples than int32 numbers");
+    return nullptr;
   }
   int64_t* key = keys.data<int64_t>();
   float* weight = weights_object == Py_None ? nullptr : weights.data<float>();
   const int64_t* length = lengths.data<int64_t>();
   int64_t* repeat = repeats.data<int64_t>();
+  int32_t* sample = samples.data<int32_t>();
   Py_ssize_t count = 0;
   Py_BEGIN_ALLOW_THREADS;
-  // Part p sorts samples [first[p], first[p + 1]), keys from start[p]; its
-  // repeats go to found[p], then in order to `repeat`.
+  // Part p merges samples [first[p], first[p + 1]), whose keys start at
+  // start[p]: its entries go to positions start[p], start[p] + 1, ... (never
+  // past the key being read), its repeats to found[p]; then the parts' entries
+  // move together and the repeats follow in order.
   const Py_ssize_t num_samples = lengths.size();
   const int parts = NumParts(total);
-  std::vector<Py_ssize_t> first(parts + 1), start(parts + 1, 0);
+  std::vector<Py_ssize_t> first(parts + 1), start(parts + 1, 0), written(parts, 0);
   for (int p = 0; p <= parts; ++p) first[p] = num_samples * p / parts;
   for (int p = 0; p < parts; ++p) {
     start[p + 1] = start[p];
@@ -321,72 +330,38 @@ PyObject* sort_samples(PyObject*, PyObject* args) {
   std::vector<std::vector<int64_t>> found(parts);
   RunParts(parts, [&](int p) {
     Sorter sorter;
-    Py_ssize_t at = start[p];
+    Py_ssize_t at = start[p], out = start[p];
     for (Py_ssize_t s = first[p]; s < first[p + 1]; ++s) {
       const Py_ssize_t len = length[s];
       sorter.Sort(key + at, weight ? weight + at : nullptr, len);
-      for (Py_ssize_t i = at + 1; i < at + len; ++i) {
-        if (key[i] == key[i - 1]) found[p].push_back(i);
+      const int64_t base = static_cast<int64_t>(s) * v_s;
+      int64_t previous = 0;  // the sorted key before key i (key[i - 1] may be overwritten)
+      for (Py_ssize_t i = at; i < at + len; ++i) {
+        const int64_t k = key[i];
+        if (i > at && k == previous) {
+          found[p].push_back(i);
+          continue;
+        }
+        previous = k;
+        key[out] = k - base;  // out <= i: key i was read
+        sample[out++] = static_cast<int32_t>(s);
       }
       at += len;
     }
+    written[p] = out - start[p];
   });
-  for (const std::vector<int64_t>& part : found) {
-    std::copy(part.begin(), part.end(), repeat + count);
-    count += static_cast<Py_ssize_t>(part.size());
+  Py_ssize_t entries = 0;
+  for (int p = 0; p < parts; ++p) {
+    if (entries != start[p]) {
+      std::memmove(key + entries, key + start[p], written[p] * sizeof(int64_t));
+      std::memmove(sample + entries, sample + start[p], written[p] * sizeof(int32_t));
+    }
+    entries += written[p];
+    std::copy(found[p].begin(), found[p].end(), repeat + count);
+    count += static_cast<Py_ssize_t>(found[p].size());
   }
   Py_END_ALLOW_THREADS;
   return PyLong_FromSsize_t(count);
-}
-
-// ---------------------------------------------------------------- compact
-
-// Checks that repeats are ascending positions in [0, size); else a Python error.
-bool CheckPositions(const int64_t* repeat, Py_ssize_t count, Py_ssize_t size) {
-  int64_t previous = -1;
-  for (Py_ssize_t i = 0; i < count; ++i) {
-    if (repeat[i] <= previous || repeat[i] >= size) {
-      PyErr_Format(PyExc_ValueError,
-                   "repeats[%zd] = %lld: positions must ascend within [0, %zd)", i,
-                   static_cast<long long>(repeat[i]), size);
-      return false;
-    }
-    previous = repeat[i];
-  }
-  return true;
-}
-
-PyObject* compact(PyObject*, PyObject* args) {
-  PyObject *values_object, *repeats_object, *out_object;
-  if (!PyArg_ParseTuple(args, "OOO", &values_object, &repeats_object, &out_object)) {
-    return nullptr;
-  }
-  const Py_ssize_t itemsize = ItemSize(values_object, "values");
-  if (itemsize < 0) return nullptr;
-  Array values, repeats, out;
-  if (!values.Take(values_object, "values", itemsize, false) ||
-      !repeats.Take(repeats_object, "repeats", 8, false) ||
-      !out.Take(out_object, "out", itemsize, true)) {
-    return nullptr;
-  }
-  const int64_t* repeat = repeats.data<int64_t>();
-  const Py_ssize_t count = repeats.size(), size = values.size();
-  if (!CheckPositions(repeat, count, size)) return nullptr;
-  if (out.size() != size - count) return SizeError("out: values - repeats", size - count,
-                                                   out.size()), nullptr;
-  const char* source = values.data<char>();
-  char* target = out.data<char>();
-  Py_BEGIN_ALLOW_THREADS;
-  Py_ssize_t start = 0, written = 0;
-  for (Py_ssize_t i = 0; i <= count; ++i) {
-    const Py_ssize_t stop = i < count ? repeat[i] : size;
-    std::memcpy(target + written * itemsize, source + start * itemsize,
-                (stop - start) * itemsize);
-    written += stop - start;
-    start = stop + 1;
-  }
-  Py_END_ALLOW_THREADS;
-  Py_RETURN_NONE;
 }
 
 // ---------------------------------------------------------------- distinct_rows
@@ -512,9 +487,8 @@ PyObject* scatter_gather(PyObject*, PyObject* args) {
 
 PyMethodDef kMethods[] = {
     {"fill_keys", fill_keys, METH_VARARGS, "Keys and samples of consecutive samples' ids."},
-    {"sort_samples", sort_samples, METH_VARARGS,
-     "Stable sort of every sample's keys; returns the number of repeats written."},
-    {"compact", compact, METH_VARARGS, "values without the repeat positions, into out."},
+    {"merge_samples", merge_samples, METH_VARARGS,
+     "Stable sort of every sample's keys, then its entries; returns the repeats."},
     {"distinct_rows", distinct_rows, METH_VARARGS, "Ascending distinct rows via a byte map."},
     {"scatter_gather", scatter_gather, METH_VARARGS,
      "index[distinct] = values, then out = index[rows]."},

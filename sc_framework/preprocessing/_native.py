@@ -7,9 +7,9 @@ it when `host_kernels()` is None; the two give the same results bit for bit
 a sort, a scatter or extra temporaries:
 
   fill_keys       `_assemble`: keys b * V_s + global row and samples, one pass
-  sort_samples    `_dedup.merge`: each sample's keys sorted stably (weights
-                  alongside) and the positions of repeated keys
-  compact         `_dedup`: the keys and samples of the entries (repeats left out)
+  merge_samples   `_dedup.merge`: each sample's keys sorted stably (weights
+                  alongside), the positions of repeated keys, and the rows and
+                  samples of the entries (repeats left out), in one pass
   distinct_rows   `_partition`: a device's ascending distinct rows (byte map)
   scatter_gather  `_partition`: unique index of every entry through a [V_s] table
 

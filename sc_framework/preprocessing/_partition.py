@@ -370,11 +370,8 @@ def _partition(stack: StackLayout, stack_keys: StackKeys, num_devices: int,
   lengths = stack_keys.lengths
   local_batch = lengths.size // g_count
 
-  merged = merge(stack_keys.keys, stack_keys.weights, stack_keys.samples, lengths)
-  samples = merged.entry_samples
-  base = scratch("base", samples.size, np.int64)
-  np.multiply(samples, v_s, out=base, dtype=np.int64)
-  rows = np.subtract(merged.entry_keys, base, out=merged.entry_keys)  # global rows
+  merged = merge(stack_keys.keys, stack_keys.weights, stack_keys.samples, lengths, v_s)
+  samples, rows = merged.entry_samples, merged.entry_rows
   bounds = _device_bounds(samples, g_count, local_batch)
   located = _locate_rows(rows, bounds, v_s, r, n_count, u_cap)
   unique_counts = np.diff(located.edges, axis=1)
@@ -382,7 +379,7 @@ def _partition(stack: StackLayout, stack_keys: StackKeys, num_devices: int,
       tables=stack.table_names,
       max_ids_per_partition=int(located.counts.max(initial=0)),
       max_unique_ids_per_partition=int(unique_counts.max(initial=0)),
-      num_ids=int(merged.keys.size),
+      num_ids=int(merged.num_ids),
       num_entries=int(samples.size),
       num_dropped_ids=0,
       capacity=capacity,
@@ -461,7 +458,7 @@ def partition_stack(
     ids = merged.entry_sum(None, "drop_multiplicity")  # ids per entry; None: 1 each
     kept_ids = (np.count_nonzero(keep) if ids is None
                 else int(np.sum(ids, where=keep, dtype=np.float64)))
-    stats = dataclasses.replace(stats, num_dropped_ids=int(merged.keys.size - kept_ids))
+    stats = dataclasses.replace(stats, num_dropped_ids=int(merged.num_ids - kept_ids))
     if combiner == "sqrtn" and weights is not None:
       mass = merged.entry_sum(np.square(weights, dtype=np.float64))[keep]
     else:

@@ -1,7 +1,7 @@
 """The C++ preprocessing loops (`_host_kernels`) against numpy, bit for bit.
 
 Two levels: each loop against a plain numpy statement of what it computes
-(stable argsort, np.unique, fancy indexing, the DESIGN.md row formula), on
+(a stable lexsort, np.unique, fancy indexing, the DESIGN.md row formula), on
 random arrays; and whole `preprocess` calls with the loops against the same
 calls with numpy alone, over random models (devices, shards, combiners,
 weights, id dtypes, long samples, repeated ids, tight limits with and without
@@ -37,36 +37,31 @@ def random_lengths(rng, samples, max_len, empty_rate=0.2):
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("weighted", [False, True])
-@pytest.mark.parametrize("span", [40, 2**27, 2**60])
-def test_sort_samples_is_a_stable_sort_per_sample(seed, weighted, span):
-  """Keys spread over [0, span) within a sample: spans 2^27 and 2^60 take the
-  64-bit codes and std::stable_sort; samples longer than 32 keys std::sort."""
+@pytest.mark.parametrize("span", [40, 2**27, 2**58])
+@pytest.mark.parametrize("num_samples", [3, 300, 30_000])  # 30,000: several threads
+def test_merge_samples_sorts_stably_and_merges_repeats(seed, weighted, span, num_samples):
+  """Keys b * V_s + row, rows over [0, span) within a sample: spans 2^27 and 2^58
+  take the 64-bit codes and std::stable_sort, samples over 32 keys std::sort."""
   rng = np.random.default_rng(seed)
-  lengths = random_lengths(rng, 300, 70)
-  keys = rng.integers(0, 40, int(lengths.sum())) * (span // 40)  # 40 values: many repeats
+  lengths = random_lengths(rng, num_samples, 70 if num_samples < 1000 else 12)
+  samples = np.repeat(np.arange(num_samples), lengths)
+  rows = rng.integers(0, 40, samples.size) * (span // 40)  # 40 values: many repeats
+  v_s = 40 * (span // 40) if span < 2**40 else 0  # 0: keys = rows, no int64 overflow
+  keys = samples * v_s + rows
   weights = rng.uniform(-2, 2, keys.size).astype(np.float32) if weighted else None
-  order = np.lexsort((np.arange(keys.size), keys, np.repeat(np.arange(lengths.size), lengths)))
-  got_keys, repeats = keys.copy(), np.empty(max(keys.size - 1, 0), np.int64)
-  got_weights = None if weights is None else weights.copy()
-  count = kernels.sort_samples(got_keys, got_weights, lengths, repeats)
-  assert_same_bits(got_keys, keys[order])
+  order = np.lexsort((np.arange(keys.size), keys, samples))
+  sorted_keys = keys[order]
+  repeat = np.zeros(keys.size, np.bool_)
+  repeat[1:] = (sorted_keys[1:] == sorted_keys[:-1]) & (samples[order][1:] == samples[order][:-1])
+  got_keys, got_weights = keys.copy(), None if weights is None else weights.copy()
+  found, entry_samples = np.empty(keys.size, np.int64), np.empty(keys.size, np.int32)
+  count = kernels.merge_samples(got_keys, got_weights, lengths, found, v_s, entry_samples)
+  assert_same_bits(found[:count], np.flatnonzero(repeat))
+  entries = keys.size - count
+  assert_same_bits(got_keys[:entries], rows[order][~repeat])
+  assert_same_bits(entry_samples[:entries], samples[order][~repeat].astype(np.int32))
   if weighted:
     assert_same_bits(got_weights, weights[order])
-  same = np.flatnonzero(got_keys[1:] == got_keys[:-1]) + 1
-  ends = np.cumsum(lengths)
-  same = same[~np.isin(same, ends)]  # equal keys of two samples are no repeat
-  assert_same_bits(repeats[:count], same)
-
-
-@pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.float32, np.uint8])
-def test_compact_leaves_out_the_repeat_positions(seed, dtype):
-  rng = np.random.default_rng(seed)
-  values = rng.integers(0, 100, 5000).astype(dtype)
-  repeats = np.flatnonzero(rng.random(values.size) < rng.choice([0.0, 0.01, 0.5]))
-  out = np.empty(values.size - repeats.size, dtype)
-  kernels.compact(values, repeats, out)
-  assert_same_bits(out, np.delete(values, repeats))
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -121,20 +116,23 @@ def test_fill_keys_follows_the_layout_formula(num_shards, rows_per_shard, offset
 
 def test_bad_arguments_raise_instead_of_crashing():
   keys, lengths = np.arange(10, dtype=np.int64), np.array([4, 6], np.int64)
+  def merge(keys, lengths):
+    n = keys.size
+    return kernels.merge_samples(keys, None, lengths, np.empty(n, np.int64), 100,
+                                 np.empty(n, np.int32))
+
   with pytest.raises(ValueError, match="keys: sum of lengths: expected 11, got 10"):
-    kernels.sort_samples(keys, None, np.array([5, 6], np.int64), np.empty(10, np.int64))
+    merge(keys, np.array([5, 6], np.int64))
   with pytest.raises(ValueError, match=r"lengths\[1\] = -1 is negative"):
-    kernels.sort_samples(keys, None, np.array([11, -1], np.int64), np.empty(10, np.int64))
+    merge(keys, np.array([11, -1], np.int64))
   with pytest.raises(TypeError, match="keys must be 1-D with 8-byte items"):
-    kernels.sort_samples(keys.astype(np.int32), None, lengths, np.empty(10, np.int64))
+    merge(keys.astype(np.int32), lengths)
   with pytest.raises(TypeError, match="writable"):
     frozen = keys.copy()
     frozen.flags.writeable = False
-    kernels.sort_samples(frozen, None, lengths, np.empty(10, np.int64))
+    merge(frozen, lengths)
   with pytest.raises(ValueError, match=r"rows\[2\] = 9 is outside \[0, 5\)"):
     kernels.distinct_rows(np.array([0, 1, 9]), np.zeros(5, np.bool_), np.empty(3, np.int64))
-  with pytest.raises(ValueError, match="positions must ascend"):
-    kernels.compact(keys, np.array([3, 3]), np.empty(8, np.int64))
   with pytest.raises(ValueError, match=r"rows\[0\] = -1 is outside"):
     kernels.scatter_gather(np.zeros(4, np.int32), np.array([1]), np.array([5], np.int32),
                            np.array([-1]), np.empty(1, np.int32))
