@@ -15,11 +15,11 @@
 //       alongside), writes the d ascending positions j with sorted keys[j] ==
 //       keys[j - 1] to repeats, then the n - d entries (the other positions,
 //       in order): keys[e] = their key - s * v_s (the row), samples[e] = s.
-//   distinct_rows(rows, mark, out) -> k
-//       out[:k] = the distinct values of rows, ascending, from a byte map
-//       `mark` over [0, V) that is all zero on entry and on exit.
-//   scatter_gather(index, distinct, values, rows, out)
-//       index[distinct[j]] = values[j], then out[i] = index[rows[i]].
+//   rank_rows(rows, words, V, distinct, ranks) -> k
+//       distinct[:k] = the distinct values of rows (in [0, V)), ascending, and
+//       ranks[i] = j where distinct[j] = rows[i], through a bit map over
+//       [0, V) in `words` (uint64, any content on entry): 1/8 byte per row,
+//       so the map and its per-word counts stay in the cache.
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -364,7 +364,7 @@ PyObject* merge_samples(PyObject*, PyObject* args) {
   return PyLong_FromSsize_t(count);
 }
 
-// ---------------------------------------------------------------- distinct_rows
+// ---------------------------------------------------------------- rank_rows
 
 // Index of the first row outside [0, size), or -1.
 Py_ssize_t FirstOutside(const int64_t* rows, Py_ssize_t count, Py_ssize_t size) {
@@ -374,124 +374,102 @@ Py_ssize_t FirstOutside(const int64_t* rows, Py_ssize_t count, Py_ssize_t size) 
   return -1;
 }
 
-bool OutsideError(const char* name, const int64_t* rows, Py_ssize_t i, Py_ssize_t size) {
-  PyErr_Format(PyExc_ValueError, "%s[%zd] = %lld is outside [0, %zd)", name, i,
-               static_cast<long long>(rows[i]), size);
-  return false;
+// rank[i] = before[w] + the marks of word w below bit v mod 64, for v = rows[i]
+// and w = v / 64: the number of distinct rows below v.
+template <typename Popcount>
+void Ranks(const int64_t* rows, Py_ssize_t begin, Py_ssize_t end, const uint64_t* word,
+           const int32_t* before, int32_t* rank, Popcount popcount) {
+  for (Py_ssize_t i = begin; i < end; ++i) {
+    const uint64_t v = static_cast<uint64_t>(rows[i]);
+    const uint64_t below = word[v >> 6] & ((uint64_t{1} << (v & 63)) - 1);
+    rank[i] = before[v >> 6] + popcount(below);
+  }
 }
 
-PyObject* distinct_rows(PyObject*, PyObject* args) {
-  PyObject *rows_object, *mark_object, *out_object;
-  if (!PyArg_ParseTuple(args, "OOO", &rows_object, &mark_object, &out_object)) return nullptr;
-  Array rows, mark, out;
-  if (!rows.Take(rows_object, "rows", 8, false) || !mark.Take(mark_object, "mark", 1, true) ||
-      !out.Take(out_object, "out", 8, true)) {
+__attribute__((target("popcnt"))) void RanksPopcnt(const int64_t* rows, Py_ssize_t begin,
+                                                   Py_ssize_t end, const uint64_t* word,
+                                                   const int32_t* before, int32_t* rank) {
+  Ranks(rows, begin, end, word, before, rank,
+        [](uint64_t x) { return static_cast<int32_t>(__builtin_popcountll(x)); });
+}
+
+void RanksPortable(const int64_t* rows, Py_ssize_t begin, Py_ssize_t end, const uint64_t* word,
+                   const int32_t* before, int32_t* rank) {
+  Ranks(rows, begin, end, word, before, rank,
+        [](uint64_t x) { return static_cast<int32_t>(__builtin_popcountll(x)); });
+}
+
+PyObject* rank_rows(PyObject*, PyObject* args) {
+  PyObject *rows_object, *words_object, *distinct_object, *ranks_object;
+  long long size;
+  if (!PyArg_ParseTuple(args, "OOLOO", &rows_object, &words_object, &size, &distinct_object,
+                        &ranks_object)) {
+    return nullptr;
+  }
+  Array rows, words, distinct, ranks;
+  if (!rows.Take(rows_object, "rows", 8, false) ||
+      !words.Take(words_object, "words", 8, true) ||
+      !distinct.Take(distinct_object, "distinct", 8, true) ||
+      !ranks.Take(ranks_object, "ranks", 4, true)) {
     return nullptr;
   }
   const int64_t* row = rows.data<int64_t>();
-  const Py_ssize_t size = mark.size();
-  const Py_ssize_t outside = FirstOutside(row, rows.size(), size);
-  if (outside >= 0) return OutsideError("rows", row, outside, size), nullptr;
-  if (out.size() < std::min(rows.size(), size)) {
-    return SizeError("out: at least", std::min(rows.size(), size), out.size()), nullptr;
+  const Py_ssize_t count = rows.size();
+  const Py_ssize_t num_words = static_cast<Py_ssize_t>((size + 63) / 64);
+  if (size < 0 || words.size() < num_words) {
+    return SizeError("words: at least (size + 63) / 64", num_words, words.size()), nullptr;
   }
-  uint8_t* flag = mark.data<uint8_t>();
-  int64_t* distinct = out.data<int64_t>();
-  const Py_ssize_t capacity = out.size();
-  Py_ssize_t count = 0;
+  if (count > std::numeric_limits<int32_t>::max()) {
+    PyErr_SetString(PyExc_ValueError, "more rows than int32 ranks");
+    return nullptr;
+  }
+  if (distinct.size() < std::min<Py_ssize_t>(count, size)) {
+    return SizeError("distinct: at least", std::min<Py_ssize_t>(count, size), distinct.size()),
+           nullptr;
+  }
+  if (ranks.size() != count) return SizeError("ranks: len(rows)", count, ranks.size()), nullptr;
+  const Py_ssize_t outside = FirstOutside(row, count, size);
+  if (outside >= 0) {
+    PyErr_Format(PyExc_ValueError, "rows[%zd] = %lld is outside [0, %lld)", outside,
+                 static_cast<long long>(row[outside]), size);
+    return nullptr;
+  }
+  uint64_t* word = words.data<uint64_t>();
+  int64_t* out = distinct.data<int64_t>();
+  int32_t* rank = ranks.data<int32_t>();
+  Py_ssize_t found = 0;
   Py_BEGIN_ALLOW_THREADS;
-  for (Py_ssize_t i = 0; i < rows.size(); ++i) flag[row[i]] = 1;
-  // Scan eight bytes at a time, skipping words without a mark.
-  Py_ssize_t v = 0;
-  for (; v + 8 <= size; v += 8) {
-    uint64_t word;
-    std::memcpy(&word, flag + v, 8);
-    if (word == 0) continue;
-    if (count + 8 <= capacity) {
-      for (Py_ssize_t k = 0; k < 8; ++k) {  // branch-free: a write per byte, kept if marked
-        distinct[count] = v + k;
-        count += flag[v + k];
-      }
-    } else {
-      for (Py_ssize_t k = 0; k < 8; ++k) {
-        if (flag[v + k]) distinct[count++] = v + k;
-      }
-    }
-    std::memset(flag + v, 0, 8);
+  std::memset(word, 0, num_words * sizeof(uint64_t));
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    word[static_cast<uint64_t>(row[i]) >> 6] |= uint64_t{1} << (row[i] & 63);
   }
-  for (; v < size; ++v) {
-    if (flag[v]) {
-      distinct[count++] = v;
-      flag[v] = 0;
+  std::vector<int32_t> before(num_words);
+  for (Py_ssize_t w = 0; w < num_words; ++w) {
+    before[w] = static_cast<int32_t>(found);
+    for (uint64_t bits = word[w]; bits; bits &= bits - 1) {
+      out[found++] = w * 64 + __builtin_ctzll(bits);
     }
   }
-  Py_END_ALLOW_THREADS;
-  return PyLong_FromSsize_t(count);
-}
-
-// ---------------------------------------------------------------- scatter_gather
-
-template <typename T>
-void ScatterGather(T* index, const int64_t* distinct, const T* values, Py_ssize_t count,
-                   const int64_t* rows, T* out, Py_ssize_t size) {
-  for (Py_ssize_t j = 0; j < count; ++j) index[distinct[j]] = values[j];
-  const int parts = NumParts(size);
+  const bool popcnt = __builtin_cpu_supports("popcnt");
+  const int parts = NumParts(count);
   RunParts(parts, [&](int p) {
-    const Py_ssize_t end = size * (p + 1) / parts;
-    for (Py_ssize_t i = size * p / parts; i < end; ++i) out[i] = index[rows[i]];
+    const Py_ssize_t begin = count * p / parts, end = count * (p + 1) / parts;
+    if (popcnt) {
+      RanksPopcnt(row, begin, end, word, before.data(), rank);
+    } else {
+      RanksPortable(row, begin, end, word, before.data(), rank);
+    }
   });
-}
-
-PyObject* scatter_gather(PyObject*, PyObject* args) {
-  PyObject *index_object, *distinct_object, *values_object, *rows_object, *out_object;
-  if (!PyArg_ParseTuple(args, "OOOOO", &index_object, &distinct_object, &values_object,
-                        &rows_object, &out_object)) {
-    return nullptr;
-  }
-  const Py_ssize_t itemsize = ItemSize(index_object, "index");
-  if (itemsize < 0) return nullptr;
-  if (itemsize != 4 && itemsize != 8) {
-    PyErr_SetString(PyExc_TypeError, "index must be int32 or int64");
-    return nullptr;
-  }
-  Array index, distinct, values, rows, out;
-  if (!index.Take(index_object, "index", itemsize, true) ||
-      !distinct.Take(distinct_object, "distinct", 8, false) ||
-      !values.Take(values_object, "values", itemsize, false) ||
-      !rows.Take(rows_object, "rows", 8, false) ||
-      !out.Take(out_object, "out", itemsize, true)) {
-    return nullptr;
-  }
-  if (values.size() != distinct.size()) {
-    return SizeError("values: len(distinct)", distinct.size(), values.size()), nullptr;
-  }
-  if (out.size() != rows.size()) return SizeError("out: len(rows)", rows.size(), out.size()),
-                                        nullptr;
-  const Py_ssize_t size = index.size();
-  Py_ssize_t outside = FirstOutside(distinct.data<int64_t>(), distinct.size(), size);
-  if (outside >= 0) return OutsideError("distinct", distinct.data<int64_t>(), outside, size),
-                           nullptr;
-  outside = FirstOutside(rows.data<int64_t>(), rows.size(), size);
-  if (outside >= 0) return OutsideError("rows", rows.data<int64_t>(), outside, size), nullptr;
-  Py_BEGIN_ALLOW_THREADS;
-  if (itemsize == 4) {
-    ScatterGather(index.data<int32_t>(), distinct.data<int64_t>(), values.data<int32_t>(),
-                  distinct.size(), rows.data<int64_t>(), out.data<int32_t>(), rows.size());
-  } else {
-    ScatterGather(index.data<int64_t>(), distinct.data<int64_t>(), values.data<int64_t>(),
-                  distinct.size(), rows.data<int64_t>(), out.data<int64_t>(), rows.size());
-  }
   Py_END_ALLOW_THREADS;
-  Py_RETURN_NONE;
+  return PyLong_FromSsize_t(found);
 }
 
 PyMethodDef kMethods[] = {
     {"fill_keys", fill_keys, METH_VARARGS, "Keys and samples of consecutive samples' ids."},
     {"merge_samples", merge_samples, METH_VARARGS,
      "Stable sort of every sample's keys, then its entries; returns the repeats."},
-    {"distinct_rows", distinct_rows, METH_VARARGS, "Ascending distinct rows via a byte map."},
-    {"scatter_gather", scatter_gather, METH_VARARGS,
-     "index[distinct] = values, then out = index[rows]."},
+    {"rank_rows", rank_rows, METH_VARARGS,
+     "Ascending distinct rows and every row's rank among them, via a bit map."},
     {nullptr, nullptr, 0, nullptr},
 };
 

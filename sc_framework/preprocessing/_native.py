@@ -10,8 +10,9 @@ a sort, a scatter or extra temporaries:
   merge_samples   `_dedup.merge`: each sample's keys sorted stably (weights
                   alongside), the positions of repeated keys, and the rows and
                   samples of the entries (repeats left out), in one pass
-  distinct_rows   `_partition`: a device's ascending distinct rows (byte map)
-  scatter_gather  `_partition`: unique index of every entry through a [V_s] table
+  rank_rows       `_partition`: a device's ascending distinct rows and every
+                  entry's rank among them, from a bit map that stays in the
+                  cache (numpy: a byte map, then a [V_s] table of ranks)
 
 They release the GIL while they loop, so preprocessing threads (e.g. a
 prefetching input pipeline) run them concurrently with the training step.

@@ -63,16 +63,19 @@ class _Rows(NamedTuple):
   stride: int  # U, or the largest distinct count if that is larger
 
 
-def _distinct(rows: np.ndarray, v_s: int, out: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+def _distinct(rows: np.ndarray, v_s: int, out: np.ndarray,
+              ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
   """(ascending distinct values of rows, their rank for every row or None for bitmap).
 
-  out: int64 [rows.size], where the C++ loops write the distinct values.
+  out: int64 [rows.size] and ranks: int32 [rows.size], where the C++ loops
+  (a bit map instead of the byte map) write the distinct values and ranks.
   """
   if v_s <= max(_BITMAP_FACTOR * rows.size, _BITMAP_MIN):
-    mark = clear_mask(v_s)
     kernels = _native.host_kernels()
-    if kernels is not None:
-      return out[:kernels.distinct_rows(rows, mark, out)], None
+    if kernels is not None and rows.size < 2**31:
+      words = scratch("rank_words", -(-v_s // 64), np.uint64)
+      return out[:kernels.rank_rows(rows, words, v_s, out, ranks)], ranks
+    mark = clear_mask(v_s)
     distinct = None
     try:
       mark[rows] = True
@@ -99,7 +102,9 @@ def _locate_rows(rows: np.ndarray, bounds, v_s: int, r: int, n_count: int,
   g_count = len(bounds) - 1
   # Device g's distinct rows (at most its entries) may go to out[bounds[g]:bounds[g + 1]].
   out = scratch("distinct", rows.size, np.int64)
-  found = [_distinct(rows[bounds[g]:bounds[g + 1]], v_s, out[bounds[g]:bounds[g + 1]])
+  ranks = scratch("ranks", rows.size, np.int32)
+  found = [_distinct(rows[bounds[g]:bounds[g + 1]], v_s, out[bounds[g]:bounds[g + 1]],
+                     ranks[bounds[g]:bounds[g + 1]])
            for g in range(g_count)]
   shard_starts = np.arange(n_count + 1, dtype=np.int64) * r
   edges = np.stack([np.searchsorted(distinct, shard_starts) for distinct, _ in found])
@@ -117,14 +122,12 @@ def _locate_rows(rows: np.ndarray, bounds, v_s: int, r: int, n_count: int,
       values = values + np.repeat(shift, unique_counts[g]).astype(dtype)
     if rank is None:
       index = scratch("index", v_s, dtype)
-      kernels = _native.host_kernels()
-      if kernels is not None:
-        kernels.scatter_gather(index, distinct, values, rows[lo:hi], unique_index[lo:hi])
-      else:
-        index[distinct] = values
-        index.take(rows[lo:hi], mode="clip", out=unique_index[lo:hi])
+      index[distinct] = values
+      index.take(rows[lo:hi], mode="clip", out=unique_index[lo:hi])
+    elif n_count == 1:  # values[j] = j
+      unique_index[lo:hi] = rank
     else:
-      unique_index[lo:hi] = values[rank]
+      np.take(values, rank, out=unique_index[lo:hi])
     if n_count == 1:
       counts[g, 0] = hi - lo
     else:

@@ -65,33 +65,19 @@ def test_merge_samples_sorts_stably_and_merges_repeats(seed, weighted, span, num
 
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("size", [0, 1, 13, 1000, 200_000])
-def test_distinct_rows_are_np_unique_and_leave_the_map_clear(seed, size):
+@pytest.mark.parametrize("size", [0, 1, 13, 1000, 200_000])  # 200,000: several threads
+def test_rank_rows_are_np_unique_with_inverse(seed, size):
   rng = np.random.default_rng(seed)
-  vocab = int(rng.integers(1, 3 * size + 20))
+  vocab = int(rng.integers(1, 3 * size + 200))
   rows = rng.integers(0, vocab, size)
-  mark = np.zeros(vocab, np.bool_)
-  for out_size in (min(size, vocab), size + 8):  # tight and roomy output
-    out = np.full(out_size, -7, np.int64)
-    count = kernels.distinct_rows(rows, mark, out)
-    assert_same_bits(out[:count], np.unique(rows))
-    assert not mark.any()
-
-
-@pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("dtype", [np.int32, np.int64])
-def test_scatter_gather_is_fancy_indexing(seed, dtype):
-  rng = np.random.default_rng(seed)
-  vocab, size = 5000, 100_000
-  rows = rng.integers(0, vocab, size)
-  distinct = np.unique(rows)
-  values = rng.integers(-2**30, 2**30, distinct.size).astype(dtype)
-  index = np.zeros(vocab, dtype)
-  out = np.empty(size, dtype)
-  kernels.scatter_gather(index, distinct, values, rows, out)
-  expected = np.zeros(vocab, dtype)
-  expected[distinct] = values
-  assert_same_bits(out, expected[rows])
+  rows[:2] = [vocab - 1, 0][:size]  # both ends of the map
+  words = np.full(-(-vocab // 64) + 3, 0xDEADBEEF, np.uint64)  # stale content is fine
+  distinct = np.full(size, -7, np.int64)
+  ranks = np.full(size, -7, np.int32)
+  count = kernels.rank_rows(rows, words, vocab, distinct, ranks)
+  unique, inverse = np.unique(rows, return_inverse=True)
+  assert_same_bits(distinct[:count], unique)
+  assert_same_bits(ranks, inverse.astype(np.int32))
 
 
 @pytest.mark.parametrize("num_shards,rows_per_shard,offset,rotation",
@@ -132,10 +118,14 @@ def test_bad_arguments_raise_instead_of_crashing():
     frozen.flags.writeable = False
     merge(frozen, lengths)
   with pytest.raises(ValueError, match=r"rows\[2\] = 9 is outside \[0, 5\)"):
-    kernels.distinct_rows(np.array([0, 1, 9]), np.zeros(5, np.bool_), np.empty(3, np.int64))
+    kernels.rank_rows(np.array([0, 1, 9]), np.zeros(1, np.uint64), 5, np.empty(3, np.int64),
+                      np.empty(3, np.int32))
   with pytest.raises(ValueError, match=r"rows\[0\] = -1 is outside"):
-    kernels.scatter_gather(np.zeros(4, np.int32), np.array([1]), np.array([5], np.int32),
-                           np.array([-1]), np.empty(1, np.int32))
+    kernels.rank_rows(np.array([-1]), np.zeros(1, np.uint64), 5, np.empty(1, np.int64),
+                      np.empty(1, np.int32))
+  with pytest.raises(ValueError, match=r"words: at least \(size \+ 63\) / 64: expected 2, got 1"):
+    kernels.rank_rows(np.array([0]), np.zeros(1, np.uint64), 65, np.empty(1, np.int64),
+                      np.empty(1, np.int32))
   with pytest.raises(ValueError, match="rotation"):
     kernels.fill_keys(keys, np.empty(10, np.int32), keys, lengths, 0, 100, 4, 25, 0, 4)
 
@@ -230,7 +220,7 @@ def test_preprocess_gives_the_same_bits_with_and_without_the_loops(monkeypatch, 
 @pytest.mark.parametrize("vocab,batch", [(100_000, 256), (5_000_000, 64)])
 @pytest.mark.parametrize("seed", range(3))
 def test_large_tables_same_bits(monkeypatch, vocab, batch, seed):
-  """The byte-map path of the distinct rows and (5M rows, few ids) the sort path."""
+  """The bit-map path of the distinct rows and (5M rows, few ids) the sort path."""
   rng = np.random.default_rng(seed)
   tables = [TableSpec(f"t{k}", vocab, 8, combiner="sum") for k in range(3)]
   specs = [FeatureSpec(f"f{k}", tables[k], (batch, 20)) for k in range(3)]
