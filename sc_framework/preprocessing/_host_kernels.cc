@@ -20,6 +20,12 @@
 //       ranks[i] = j where distinct[j] = rows[i], through a bit map over
 //       [0, V) in `words` (uint64, any content on entry): 1/8 byte per row,
 //       so the map and its per-word counts stay in the cache.
+//   drop_entries(ids, parts | None, P, U, C, keep, alive) -> kept
+//       Entries e in (sample, row) order, of row ids[e] (numbered over all
+//       partitions) in partition parts[e] (None: one): keep[e] = the row is
+//       among the first U rows of its partition in first-entry order, and
+//       the entry among the first C such entries of its partition;
+//       alive[row] = any of its entries is kept.
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -464,10 +470,102 @@ PyObject* rank_rows(PyObject*, PyObject* args) {
   return PyLong_FromSsize_t(found);
 }
 
+// ---------------------------------------------------------------- drop_entries
+
+// The pass of drop_entries; kOnePart: all entries in partition 0, whose
+// counters are plain locals (never addressed, so byte stores cannot alias
+// them and they stay in registers). state[row] (zeroed, num_rows): 0 not seen
+// yet, 1 among its partition's first U rows, 2 not.
+template <bool kOnePart>
+Py_ssize_t Drop(const int64_t* id, const int64_t* part, Py_ssize_t size, int64_t num_parts,
+                int64_t unique_capacity, int64_t entry_capacity, uint8_t* kept,
+                uint8_t* state, uint8_t* live) {
+  std::vector<int64_t> rows_seen(kOnePart ? 0 : num_parts, 0);
+  std::vector<int64_t> entries_kept(kOnePart ? 0 : num_parts, 0);
+  int64_t one_seen = 0, one_kept = 0;
+  Py_ssize_t total = 0;
+  for (Py_ssize_t e = 0; e < size; ++e) {
+    const int64_t row = id[e];
+    const int64_t seen_rows = kOnePart ? one_seen : rows_seen[part[e]];
+    const int64_t kept_entries = kOnePart ? one_kept : entries_kept[part[e]];
+    // Branch-free: half the rows are seen for the first time, unpredictably.
+    const uint8_t old = state[row];
+    const uint8_t fresh = old == 0;
+    const uint8_t status = fresh ? (seen_rows < unique_capacity ? 1 : 2) : old;
+    const uint8_t take = (status == 1) & (kept_entries < entry_capacity);
+    if constexpr (kOnePart) {
+      one_seen += fresh;
+      one_kept += take;
+    } else {
+      rows_seen[part[e]] += fresh;
+      entries_kept[part[e]] += take;
+    }
+    state[row] = status;
+    kept[e] = take;
+    live[row] |= take;
+    total += take;
+  }
+  return total;
+}
+
+PyObject* drop_entries(PyObject*, PyObject* args) {
+  PyObject *ids_object, *parts_object, *keep_object, *alive_object;
+  long long num_parts, unique_capacity, entry_capacity;
+  if (!PyArg_ParseTuple(args, "OOLLLOO", &ids_object, &parts_object, &num_parts,
+                        &unique_capacity, &entry_capacity, &keep_object, &alive_object)) {
+    return nullptr;
+  }
+  const bool one_part = parts_object == Py_None;
+  Array ids, parts, keep, alive;
+  if (!ids.Take(ids_object, "ids", 8, false) ||
+      (!one_part && !parts.Take(parts_object, "parts", 8, false)) ||
+      !keep.Take(keep_object, "keep", 1, true) || !alive.Take(alive_object, "alive", 1, true)) {
+    return nullptr;
+  }
+  const Py_ssize_t size = ids.size(), num_rows = alive.size();
+  if (keep.size() != size) return SizeError("keep: len(ids)", size, keep.size()), nullptr;
+  if (!one_part && parts.size() != size) {
+    return SizeError("parts: len(ids)", size, parts.size()), nullptr;
+  }
+  if (num_parts < 1 || (one_part && num_parts != 1)) {
+    PyErr_Format(PyExc_ValueError, "num_parts = %lld: at least 1, and 1 without parts",
+                 num_parts);
+    return nullptr;
+  }
+  const int64_t* id = ids.data<int64_t>();
+  const int64_t* part = one_part ? nullptr : parts.data<int64_t>();
+  Py_ssize_t outside = FirstOutside(id, size, num_rows);
+  if (outside >= 0) {
+    PyErr_Format(PyExc_ValueError, "ids[%zd] = %lld is outside [0, %zd)", outside,
+                 static_cast<long long>(id[outside]), num_rows);
+    return nullptr;
+  }
+  outside = one_part ? -1 : FirstOutside(part, size, num_parts);
+  if (outside >= 0) {
+    PyErr_Format(PyExc_ValueError, "parts[%zd] = %lld is outside [0, %lld)", outside,
+                 static_cast<long long>(part[outside]), num_parts);
+    return nullptr;
+  }
+  uint8_t* kept = keep.data<uint8_t>();
+  uint8_t* live = alive.data<uint8_t>();
+  Py_ssize_t total = 0;
+  Py_BEGIN_ALLOW_THREADS;
+  std::vector<uint8_t> state(num_rows, 0);
+  std::memset(live, 0, num_rows);
+  total = one_part ? Drop<true>(id, part, size, num_parts, unique_capacity, entry_capacity, kept,
+                                state.data(), live)
+                   : Drop<false>(id, part, size, num_parts, unique_capacity, entry_capacity,
+                                 kept, state.data(), live);
+  Py_END_ALLOW_THREADS;
+  return PyLong_FromSsize_t(total);
+}
+
 PyMethodDef kMethods[] = {
     {"fill_keys", fill_keys, METH_VARARGS, "Keys and samples of consecutive samples' ids."},
     {"merge_samples", merge_samples, METH_VARARGS,
      "Stable sort of every sample's keys, then its entries; returns the repeats."},
+    {"drop_entries", drop_entries, METH_VARARGS,
+     "The entries kept by the overflow rules, and the rows they keep alive."},
     {"rank_rows", rank_rows, METH_VARARGS,
      "Ascending distinct rows and every row's rank among them, via a bit map."},
     {nullptr, nullptr, 0, nullptr},

@@ -13,6 +13,8 @@ a sort, a scatter or extra temporaries:
   rank_rows       `_partition`: a device's ascending distinct rows and every
                   entry's rank among them, from a bit map that stays in the
                   cache (numpy: a byte map, then a [V_s] table of ranks)
+  drop_entries    `_partition._drop_mask`: the overflow rules (a) and (b) in
+                  one pass over the entries, and the rows left alive
 
 They release the GIL while they loop, so preprocessing threads (e.g. a
 prefetching input pipeline) run them concurrently with the training step.

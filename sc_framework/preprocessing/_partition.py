@@ -15,7 +15,9 @@ partition (device g, shard n). Steps, after `_dedup.merge`:
    rows come ascending from one pass over a [V_s] bitmap when V_s is small
    next to the device's entries, else from a sort; u is a row's rank among
    the distinct rows of its shard, and the entry's unique index is n * U + u (looked
-   up through a [V_s] table, so no per-entry division is needed).
+   up through a [V_s] table, so no per-entry division is needed). The C++
+   loops of `_native` use a bit map with per-word counts instead, which gives
+   the same distinct rows and ranks from the cache.
 3. Capacities: a partition may hold C entries and U distinct rows. Overflow
    raises, or with dropping enabled removes, in every partition:
      (a) every entry whose row is not among the first U distinct rows of the
@@ -249,8 +251,15 @@ def _number_rows(located: _Rows, bounds, n_count: int) -> _Numbered:
   return _Numbered(ids, parts, offsets)
 
 
-def _drop_mask(rows: _Numbered, capacity: StackCapacity) -> np.ndarray:
-  """Step 3: bool [n_e] (scratch), the entries kept by rules (a) and (b).
+class _Kept(NamedTuple):
+  """Step 3's result: the kept entries, and the rows that keep any (or None)."""
+
+  keep: np.ndarray  # bool [n_e] (scratch)
+  alive: np.ndarray | None  # bool [rows numbered by `_number_rows`] (scratch), or None
+
+
+def _drop_mask(rows: _Numbered, capacity: StackCapacity) -> _Kept:
+  """Step 3: the entries kept by rules (a) and (b) (and with the C++ loops, the rows kept).
 
   Entries come in (sample, row) order. Linear passes, no sort of the
   entries: the first entry of every row is the minimum entry index over its
@@ -262,6 +271,13 @@ def _drop_mask(rows: _Numbered, capacity: StackCapacity) -> np.ndarray:
   """
   ids, parts = rows.ids, rows.parts
   num_parts, size = rows.offsets.size - 1, ids.size
+  kernels = _native.host_kernels()
+  if kernels is not None:  # one pass: rule (a) at a row's first entry, then rule (b)
+    keep = scratch("drop_keep", size, np.bool_)
+    alive = scratch("drop_alive", int(rows.offsets[-1]), np.bool_)
+    kernels.drop_entries(ids, parts, num_parts, capacity.max_unique_ids_per_partition,
+                         capacity.max_ids_per_partition, keep, alive)
+    return _Kept(keep, alive)
   index = arange32(size) if size < 2**31 else np.arange(size)
   first = scratch("drop_first", int(rows.offsets[-1]), index.dtype)
   first.fill(size)
@@ -281,10 +297,10 @@ def _drop_mask(rows: _Numbered, capacity: StackCapacity) -> np.ndarray:
   if (last_entry < size).any():
     in_first = np.less_equal(index, per_entry(last_entry), out=scratch("drop_in", size, np.bool_))
     np.logical_and(keep, in_first, out=keep)
-  return keep
+  return _Kept(keep, None)
 
 
-def _kept_rows(located: _Rows, rows: _Numbered, keep: np.ndarray, n_count: int,
+def _kept_rows(located: _Rows, rows: _Numbered, kept_entries: _Kept, n_count: int,
                unique_capacity: int) -> _Rows:
   """Step 2 for the entries kept by `keep`, from `located` (before dropping).
 
@@ -295,10 +311,12 @@ def _kept_rows(located: _Rows, rows: _Numbered, keep: np.ndarray, n_count: int,
   g_count = located.edges.shape[0]
   offsets = rows.offsets
   num_parts, num_rows = offsets.size - 1, int(offsets[-1])
+  keep, alive = kept_entries
   kept = rows.ids[keep]
-  alive = scratch("drop_alive", num_rows, np.bool_)
-  alive.fill(False)
-  alive[kept] = True
+  if alive is None:
+    alive = scratch("drop_alive", num_rows, np.bool_)
+    alive.fill(False)
+    alive[kept] = True
   # seen[j]: staying rows among rows 0 ... j - 1; row j of partition p has
   # u' = seen[j] - seen[offsets[p]] and its unique index n * U + u'.
   dtype = np.int32 if max(n_count * unique_capacity, num_rows) < 2**31 else np.int64
@@ -457,7 +475,8 @@ def partition_stack(
       denominators = np.bincount(owners, squared, minlength=total)
   else:
     numbered = _number_rows(located, bounds, n_count)
-    keep = _drop_mask(numbered, capacity)
+    kept_entries = _drop_mask(numbered, capacity)
+    keep = kept_entries.keep
     ids = merged.entry_sum(None, "drop_multiplicity")  # ids per entry; None: 1 each
     kept_ids = (np.count_nonzero(keep) if ids is None
                 else int(np.sum(ids, where=keep, dtype=np.float64)))
@@ -472,7 +491,7 @@ def partition_stack(
                     else np.bincount(samples, mass, minlength=total))
     owners, masses = samples, entry_weights
     bounds = _device_bounds(samples, g_count, local_batch)
-    located = _kept_rows(located, numbered, keep, n_count, u_cap)
+    located = _kept_rows(located, numbered, kept_entries, n_count, u_cap)
   if sequence_samples is not None and combiner != "sum":
     denominators = np.where(sequence_samples, 1, denominators)
   factor = _factors(combiner, denominators, owners, masses, describe_sample)

@@ -80,6 +80,40 @@ def test_rank_rows_are_np_unique_with_inverse(seed, size):
   assert_same_bits(ranks, inverse.astype(np.int32))
 
 
+def reference_drop(ids, parts, unique_capacity, entry_capacity):
+  """The overflow rules as a loop: (keep per entry, rows with a kept entry)."""
+  first_rows, kept_entries = {}, {}
+  keep, alive = [], set()
+  for row, part in zip(ids.tolist(), parts.tolist()):
+    rows = first_rows.setdefault(part, [])
+    if row not in rows:
+      rows.append(row)
+    take = rows.index(row) < unique_capacity and kept_entries.get(part, 0) < entry_capacity
+    kept_entries[part] = kept_entries.get(part, 0) + take
+    keep.append(take)
+    if take:
+      alive.add(row)
+  return np.array(keep, np.bool_), alive
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("num_parts", [1, 3])
+def test_drop_entries_follow_the_overflow_rules(seed, num_parts):
+  rng = np.random.default_rng(seed)
+  size, rows_per_part = 400, int(rng.integers(1, 60))
+  parts = np.sort(rng.integers(0, num_parts, size)) if seed % 2 else rng.integers(0, num_parts, size)
+  ids = parts * rows_per_part + rng.integers(0, rows_per_part, size)  # rows numbered per part
+  unique_capacity, entry_capacity = int(rng.integers(0, 40)), int(rng.integers(0, 200))
+  keep = np.empty(size, np.bool_)
+  alive = np.empty(num_parts * rows_per_part, np.bool_)
+  count = kernels.drop_entries(ids, None if num_parts == 1 else parts, num_parts,
+                               unique_capacity, entry_capacity, keep, alive)
+  want_keep, want_alive = reference_drop(ids, parts, unique_capacity, entry_capacity)
+  assert_same_bits(keep, want_keep)
+  assert count == want_keep.sum()
+  assert set(np.flatnonzero(alive).tolist()) == want_alive
+
+
 @pytest.mark.parametrize("num_shards,rows_per_shard,offset,rotation",
                          [(1, 400, 0, 0), (1, 1000, 96, 0), (8, 50, 16, 4), (6, 70, 8, 5)])
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])
@@ -126,6 +160,12 @@ def test_bad_arguments_raise_instead_of_crashing():
   with pytest.raises(ValueError, match=r"words: at least \(size \+ 63\) / 64: expected 2, got 1"):
     kernels.rank_rows(np.array([0]), np.zeros(1, np.uint64), 65, np.empty(1, np.int64),
                       np.empty(1, np.int32))
+  with pytest.raises(ValueError, match=r"ids\[1\] = 4 is outside \[0, 4\)"):
+    kernels.drop_entries(np.array([0, 4]), None, 1, 1, 1, np.empty(2, np.bool_),
+                         np.empty(4, np.bool_))
+  with pytest.raises(ValueError, match=r"parts\[0\] = 2 is outside \[0, 2\)"):
+    kernels.drop_entries(np.array([0, 1]), np.array([2, 0]), 2, 1, 1, np.empty(2, np.bool_),
+                         np.empty(4, np.bool_))
   with pytest.raises(ValueError, match="rotation"):
     kernels.fill_keys(keys, np.empty(10, np.int32), keys, lengths, 0, 100, 4, 25, 0, 4)
 
