@@ -481,14 +481,15 @@ def partition_stack(
     kept_ids = (np.count_nonzero(keep) if ids is None
                 else int(np.sum(ids, where=keep, dtype=np.float64)))
     stats = dataclasses.replace(stats, num_dropped_ids=int(merged.num_ids - kept_ids))
-    if combiner == "sqrtn" and weights is not None:
-      mass = merged.entry_sum(np.square(weights, dtype=np.float64))[keep]
-    else:
-      mass = None if entry_weights is None else entry_weights[keep]
     samples = samples[keep]
-    entry_weights = None if entry_weights is None else entry_weights[keep]
-    denominators = (lengths if combiner == "sum"  # unused: 'sum' has no factor
-                    else np.bincount(samples, mass, minlength=total))
+    kept_weights = None if entry_weights is None else entry_weights[keep]
+    if combiner == "sum":
+      denominators = lengths  # unused: 'sum' has no factor
+    else:
+      mass = (merged.entry_sum(np.square(weights, dtype=np.float64))[keep]
+              if combiner == "sqrtn" and weights is not None else kept_weights)
+      denominators = np.bincount(samples, mass, minlength=total)
+    entry_weights = kept_weights
     owners, masses = samples, entry_weights
     bounds = _device_bounds(samples, g_count, local_batch)
     located = _kept_rows(located, numbered, kept_entries, n_count, u_cap)
