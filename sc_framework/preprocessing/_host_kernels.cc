@@ -33,6 +33,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <system_error>
 #include <thread>
@@ -392,17 +393,31 @@ void Ranks(const int64_t* rows, Py_ssize_t begin, Py_ssize_t end, const uint64_t
   }
 }
 
+int32_t Popcount(uint64_t x) { return static_cast<int32_t>(__builtin_popcountll(x)); }
+
+#if defined(__x86_64__) || defined(__i386__)
+// x86 builds for a baseline without the popcnt instruction: this copy uses it
+// where the processor has it (RanksAnyCpu checks at run time).
+__attribute__((target("popcnt"))) int32_t PopcountInstruction(uint64_t x) {
+  return static_cast<int32_t>(__builtin_popcountll(x));
+}
+
 __attribute__((target("popcnt"))) void RanksPopcnt(const int64_t* rows, Py_ssize_t begin,
                                                    Py_ssize_t end, const uint64_t* word,
                                                    const int32_t* before, int32_t* rank) {
-  Ranks(rows, begin, end, word, before, rank,
-        [](uint64_t x) { return static_cast<int32_t>(__builtin_popcountll(x)); });
+  Ranks(rows, begin, end, word, before, rank, PopcountInstruction);
 }
+#endif
 
-void RanksPortable(const int64_t* rows, Py_ssize_t begin, Py_ssize_t end, const uint64_t* word,
-                   const int32_t* before, int32_t* rank) {
-  Ranks(rows, begin, end, word, before, rank,
-        [](uint64_t x) { return static_cast<int32_t>(__builtin_popcountll(x)); });
+void RanksAnyCpu(const int64_t* rows, Py_ssize_t begin, Py_ssize_t end, const uint64_t* word,
+                 const int32_t* before, int32_t* rank) {
+#if defined(__x86_64__) || defined(__i386__)
+  if (__builtin_cpu_supports("popcnt")) {
+    RanksPopcnt(rows, begin, end, word, before, rank);
+    return;
+  }
+#endif
+  Ranks(rows, begin, end, word, before, rank, Popcount);
 }
 
 PyObject* rank_rows(PyObject*, PyObject* args) {
@@ -456,15 +471,9 @@ PyObject* rank_rows(PyObject*, PyObject* args) {
       out[found++] = w * 64 + __builtin_ctzll(bits);
     }
   }
-  const bool popcnt = __builtin_cpu_supports("popcnt");
   const int parts = NumParts(count);
   RunParts(parts, [&](int p) {
-    const Py_ssize_t begin = count * p / parts, end = count * (p + 1) / parts;
-    if (popcnt) {
-      RanksPopcnt(row, begin, end, word, before.data(), rank);
-    } else {
-      RanksPortable(row, begin, end, word, before.data(), rank);
-    }
+    RanksAnyCpu(row, count * p / parts, count * (p + 1) / parts, word, before.data(), rank);
   });
   Py_END_ALLOW_THREADS;
   return PyLong_FromSsize_t(found);
