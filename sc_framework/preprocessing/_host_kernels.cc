@@ -26,6 +26,10 @@
 //       among the first U rows of its partition in first-entry order, and
 //       the entry among the first C such entries of its partition;
 //       alive[row] = any of its entries is kept.
+//   kept_unique_index(ids, keep, alive, offsets, n, U, unique_of, out, counts) -> k
+//       Rows offsets[p] ... offsets[p + 1] - 1 form partition p: unique_of[row]
+//       = (p mod n) * U + (alive rows before it in p), counts[p] = alive rows
+//       of p, and out[:k] = unique_of[ids[e]] of the kept entries e, in order.
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -569,12 +573,91 @@ PyObject* drop_entries(PyObject*, PyObject* args) {
   return PyLong_FromSsize_t(total);
 }
 
+// ---------------------------------------------------------------- kept_unique_index
+
+PyObject* kept_unique_index(PyObject*, PyObject* args) {
+  PyObject *ids_object, *keep_object, *alive_object, *offsets_object, *unique_of_object,
+      *out_object, *alive_counts_object;
+  long long num_shards, unique_capacity;
+  if (!PyArg_ParseTuple(args, "OOOOLLOOO", &ids_object, &keep_object, &alive_object,
+                        &offsets_object, &num_shards, &unique_capacity, &unique_of_object,
+                        &out_object, &alive_counts_object)) {
+    return nullptr;
+  }
+  Array ids, keep, alive, offsets, unique_of, out, alive_counts;
+  if (!ids.Take(ids_object, "ids", 8, false) || !keep.Take(keep_object, "keep", 1, false) ||
+      !alive.Take(alive_object, "alive", 1, false) ||
+      !offsets.Take(offsets_object, "offsets", 8, false) ||
+      !unique_of.Take(unique_of_object, "unique_of", 4, true) ||
+      !out.Take(out_object, "out", 4, true) ||
+      !alive_counts.Take(alive_counts_object, "alive_counts", 8, true)) {
+    return nullptr;
+  }
+  const Py_ssize_t size = ids.size(), num_rows = alive.size();
+  const Py_ssize_t num_parts = offsets.size() - 1;
+  const int64_t* offset = offsets.data<int64_t>();
+  if (keep.size() != size) return SizeError("keep: len(ids)", size, keep.size()), nullptr;
+  if (out.size() != size) return SizeError("out: len(ids)", size, out.size()), nullptr;
+  if (unique_of.size() != num_rows) {
+    return SizeError("unique_of: len(alive)", num_rows, unique_of.size()), nullptr;
+  }
+  if (num_parts < 1 || alive_counts.size() != num_parts) {
+    return SizeError("alive_counts: len(offsets) - 1", num_parts, alive_counts.size()), nullptr;
+  }
+  for (Py_ssize_t p = 0; p <= num_parts; ++p) {
+    const bool bad = p == 0 ? offset[0] != 0
+                            : offset[p] < offset[p - 1] || (p == num_parts && offset[p] != num_rows);
+    if (bad) {
+      PyErr_Format(PyExc_ValueError,
+                   "offsets must not decrease from 0 to len(alive) = %zd, got offsets[%zd] = %lld",
+                   num_rows, p, static_cast<long long>(offset[p]));
+      return nullptr;
+    }
+  }
+  if (num_shards < 1 || (num_shards - 1) * unique_capacity + num_rows >
+                            std::numeric_limits<int32_t>::max()) {
+    PyErr_SetString(PyExc_ValueError, "unique indices beyond int32");
+    return nullptr;
+  }
+  const int64_t* id = ids.data<int64_t>();
+  const Py_ssize_t outside = FirstOutside(id, size, num_rows);
+  if (outside >= 0) {
+    PyErr_Format(PyExc_ValueError, "ids[%zd] = %lld is outside [0, %zd)", outside,
+                 static_cast<long long>(id[outside]), num_rows);
+    return nullptr;
+  }
+  const uint8_t* kept = keep.data<uint8_t>();
+  const uint8_t* live = alive.data<uint8_t>();
+  int32_t* unique = unique_of.data<int32_t>();
+  int32_t* index = out.data<int32_t>();
+  int64_t* counts = alive_counts.data<int64_t>();
+  Py_ssize_t total = 0;
+  Py_BEGIN_ALLOW_THREADS;
+  for (Py_ssize_t p = 0; p < num_parts; ++p) {
+    const int32_t shift = static_cast<int32_t>(p % num_shards * unique_capacity);
+    int32_t running = 0;
+    for (int64_t row = offset[p]; row < offset[p + 1]; ++row) {
+      unique[row] = shift + running;
+      running += live[row] != 0;
+    }
+    counts[p] = running;
+  }
+  for (Py_ssize_t e = 0; e < size; ++e) {
+    index[total] = unique[id[e]];  // branch-free: overwritten unless kept
+    total += kept[e] != 0;
+  }
+  Py_END_ALLOW_THREADS;
+  return PyLong_FromSsize_t(total);
+}
+
 PyMethodDef kMethods[] = {
     {"fill_keys", fill_keys, METH_VARARGS, "Keys and samples of consecutive samples' ids."},
     {"merge_samples", merge_samples, METH_VARARGS,
      "Stable sort of every sample's keys, then its entries; returns the repeats."},
     {"drop_entries", drop_entries, METH_VARARGS,
      "The entries kept by the overflow rules, and the rows they keep alive."},
+    {"kept_unique_index", kept_unique_index, METH_VARARGS,
+     "Unique indices n * U + u' of the kept entries, u' the rank among alive rows."},
     {"rank_rows", rank_rows, METH_VARARGS,
      "Ascending distinct rows and every row's rank among them, via a bit map."},
     {nullptr, nullptr, 0, nullptr},

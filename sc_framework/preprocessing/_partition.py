@@ -312,25 +312,23 @@ def _kept_rows(located: _Rows, rows: _Numbered, kept_entries: _Kept, n_count: in
   offsets = rows.offsets
   num_parts, num_rows = offsets.size - 1, int(offsets[-1])
   keep, alive = kept_entries
-  kept = rows.ids[keep]
-  if alive is None:
-    alive = scratch("drop_alive", num_rows, np.bool_)
-    alive.fill(False)
-    alive[kept] = True
-  # seen[j]: staying rows among rows 0 ... j - 1; row j of partition p has
-  # u' = seen[j] - seen[offsets[p]] and its unique index n * U + u'.
   dtype = np.int32 if max(n_count * unique_capacity, num_rows) < 2**31 else np.int64
-  seen = scratch("drop_unique_of", num_rows + 1, dtype)
-  seen[0] = 0
-  np.cumsum(alive, dtype=dtype, out=seen[1:])
-  before = seen[offsets[:-1]].astype(np.int64)
-  unique_counts = (seen[offsets[1:]] - before).reshape(g_count, n_count)
-  shift = np.arange(num_parts, dtype=np.int64) % n_count * unique_capacity - before
-  unique_of = seen[:-1]
-  unique_of += shift[0] if num_parts == 1 else np.repeat(shift.astype(dtype), np.diff(offsets))
-  unique_index = np.take(
-      unique_of, kept, mode="clip", out=scratch("drop_unique_index", kept.size, dtype)
-  )
+  kernels = _native.host_kernels()
+  if kernels is not None and alive is not None and dtype == np.int32:
+    unique_index = scratch("drop_unique_index", keep.size, dtype)
+    alive_counts = np.empty(num_parts, np.int64)
+    unique_index = unique_index[:kernels.kept_unique_index(
+        rows.ids, keep, alive, offsets, n_count, unique_capacity,
+        scratch("drop_unique_of", num_rows, dtype), unique_index, alive_counts)]
+    unique_counts = alive_counts.reshape(g_count, n_count)
+  else:
+    kept = rows.ids[keep]
+    if alive is None:
+      alive = scratch("drop_alive", num_rows, np.bool_)
+      alive.fill(False)
+      alive[kept] = True
+    unique_index, unique_counts = _kept_unique_index(rows, kept, alive, n_count,
+                                                     unique_capacity, dtype)
   distinct = [
       located.distinct[g][alive[offsets[g * n_count]:offsets[(g + 1) * n_count]]]
       for g in range(g_count)
@@ -338,10 +336,34 @@ def _kept_rows(located: _Rows, rows: _Numbered, kept_entries: _Kept, n_count: in
   edges = np.zeros((g_count, n_count + 1), np.int64)
   np.cumsum(unique_counts, axis=1, out=edges[:, 1:])
   if rows.parts is None:
-    counts = np.full((1, 1), kept.size, np.int64)
+    counts = np.full((1, 1), unique_index.size, np.int64)
   else:
     counts = np.bincount(rows.parts[keep], minlength=num_parts).reshape(g_count, n_count)
   return _Rows(distinct, edges, counts, unique_index, unique_capacity)
+
+
+def _kept_unique_index(rows: _Numbered, kept: np.ndarray, alive: np.ndarray, n_count: int,
+                       unique_capacity: int, dtype) -> tuple[np.ndarray, np.ndarray]:
+  """(unique index n * U + u' of every kept entry, staying rows per partition [G, N]).
+
+  kept: the numbered row of every kept entry; alive: bool, the rows kept.
+  """
+  offsets = rows.offsets
+  num_parts, num_rows = offsets.size - 1, int(offsets[-1])
+  # seen[j]: staying rows among rows 0 ... j - 1; row j of partition p has
+  # u' = seen[j] - seen[offsets[p]] and its unique index n * U + u'.
+  seen = scratch("drop_unique_of", num_rows + 1, dtype)
+  seen[0] = 0
+  np.cumsum(alive, dtype=dtype, out=seen[1:])
+  before = seen[offsets[:-1]].astype(np.int64)
+  unique_counts = (seen[offsets[1:]] - before).reshape(-1, n_count)
+  shift = np.arange(num_parts, dtype=np.int64) % n_count * unique_capacity - before
+  unique_of = seen[:-1]
+  unique_of += shift[0] if num_parts == 1 else np.repeat(shift.astype(dtype), np.diff(offsets))
+  unique_index = np.take(
+      unique_of, kept, mode="clip", out=scratch("drop_unique_index", kept.size, dtype)
+  )
+  return unique_index, unique_counts
 
 
 def _overflow_error(stack: StackLayout, counts, unique_counts,

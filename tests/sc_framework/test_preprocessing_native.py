@@ -114,6 +114,30 @@ def test_drop_entries_follow_the_overflow_rules(seed, num_parts):
   assert set(np.flatnonzero(alive).tolist()) == want_alive
 
 
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("num_parts,num_shards", [(1, 1), (4, 2), (6, 3)])
+def test_kept_unique_index_ranks_the_alive_rows_per_partition(seed, num_parts, num_shards):
+  rng = np.random.default_rng(seed)
+  sizes = rng.integers(0, 50, num_parts)
+  offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+  num_rows, unique_capacity = int(offsets[-1]), 64
+  alive = rng.random(num_rows) < 0.6
+  ids = rng.integers(0, max(num_rows, 1), 500 if num_rows else 0)
+  keep = alive[ids] & (rng.random(ids.size) < 0.8)
+  unique_of = np.empty(num_rows, np.int32)
+  out = np.full(ids.size, -1, np.int32)
+  counts = np.empty(num_parts, np.int64)
+  count = kernels.kept_unique_index(ids, keep, alive, offsets, num_shards, unique_capacity,
+                                    unique_of, out, counts)
+  part = np.repeat(np.arange(num_parts), sizes)
+  before = np.array([np.count_nonzero(alive[offsets[p]:j]) for p, j in zip(part, range(num_rows))])
+  want = (part % num_shards * unique_capacity + before).astype(np.int32)
+  assert_same_bits(unique_of, want)
+  assert_same_bits(out[:count], want[ids[keep]])
+  assert_same_bits(counts, np.array([np.count_nonzero(alive[offsets[p]:offsets[p + 1]])
+                                    for p in range(num_parts)], np.int64))
+
+
 @pytest.mark.parametrize("num_shards,rows_per_shard,offset,rotation",
                          [(1, 400, 0, 0), (1, 1000, 96, 0), (8, 50, 16, 4), (6, 70, 8, 5)])
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])
