@@ -314,7 +314,7 @@ def _kept_rows(located: _Rows, rows: _Numbered, kept_entries: _Kept, n_count: in
   keep, alive = kept_entries
   dtype = np.int32 if max(n_count * unique_capacity, num_rows) < 2**31 else np.int64
   kernels = _native.host_kernels()
-  if (kernels is not None and alive is not None
+  if (kernels is not None and alive is not None and dtype == np.int32
       and (n_count - 1) * unique_capacity + num_rows < 2**31):  # the kernel's int32 bound
     unique_index = scratch("drop_unique_index", keep.size, dtype)
     alive_counts = np.empty(num_parts, np.int64)
