@@ -1,8 +1,11 @@
-"""Builds the optional C++ CPU kernels (an XLA FFI extension module).
+"""Builds the optional C++ extensions: the CPU kernels and the preprocessing loops.
 
-Everything else is configured in pyproject.toml. The extension needs a C++17
-compiler and the XLA FFI headers shipped with jaxlib; when either is missing
-the build is skipped (optional=True) and the portable XLA backend is used.
+Everything else is configured in pyproject.toml. The CPU kernels (an XLA FFI
+extension module) need a C++17 compiler and the XLA FFI headers shipped with
+jaxlib; when either is missing the build is skipped (optional=True) and the
+portable XLA backend is used. The host preprocessing loops need only a C++17
+compiler and Python's headers; without them preprocessing runs its numpy code,
+which gives the same results.
 """
 
 import importlib.util
@@ -32,6 +35,13 @@ setup(
                                 "-Wall", "-Wextra", *_ffi_include_flags()],
             language="c++",
             optional=True,
-        )
+        ),
+        Extension(
+            "sc_framework.preprocessing._host_kernels",
+            sources=["sc_framework/preprocessing/_host_kernels.cc"],
+            extra_compile_args=["-O3", "-std=c++17", "-Wall", "-Wextra"],
+            language="c++",
+            optional=True,
+        ),
     ],
 )

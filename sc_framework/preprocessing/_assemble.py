@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from sc_framework.preprocessing import _native
 from sc_framework.preprocessing._inputs import FlatIds
 from sc_framework.preprocessing._scratch import scratch
 from sc_framework.stacking import StackLayout
@@ -37,7 +38,7 @@ class StackKeys(NamedTuple):
   Attributes:
     keys: int64 [nnz] b * V_s + global row, grouped by ascending sample b (a
       scratch array, see `_scratch`).
-    samples: int32 [nnz] the sample b of every key.
+    samples: int32 [nnz] the sample b of every key (may be a scratch array).
     lengths: int64 [B_total] ids per stack sample (device-major order).
     weights: float32 [nnz] aligned with keys (scratch), or None when no
       feature of the stack has weights (every weight 1).
@@ -125,9 +126,51 @@ def assemble_stack(
     StackKeys, samples numbered over the L (or G) devices.
   """
   tables = {table.name: table for table in stack.tables}
-  n_count = stack.num_shards
   blocks = _blocks(stack, num_devices, local_devices)
   lengths = np.concatenate([np.diff(flats[f].row_splits[lo:hi + 1]) for f, lo, hi in blocks])
+  any_weights = any(flat.weights is not None for flat in flats)
+  weights = scratch("weights", int(lengths.sum()), np.float32) if any_weights else None
+  kernels = _native.host_kernels()
+  if kernels is None:
+    keys, samples = _numpy_keys(stack, flats, blocks, lengths, tables, weights)
+  else:
+    keys, samples = _native_keys(kernels, stack, flats, blocks, lengths, tables, weights)
+  return StackKeys(keys, samples, lengths, weights)
+
+
+def _block_ids(flat: FlatIds, lo: int, hi: int) -> tuple[slice, np.ndarray | None]:
+  """(the ids' range of samples [lo, hi) of `flat`, their weights or None)."""
+  a, b = int(flat.row_splits[lo]), int(flat.row_splits[hi])
+  return slice(a, b), None if flat.weights is None else flat.weights[a:b]
+
+
+def _native_keys(kernels, stack: StackLayout, flats, blocks, lengths, tables, weights):
+  """Keys and samples of `assemble_stack` in one C++ pass per block (`_native`)."""
+  lengths64 = lengths.astype(np.int64, copy=False)
+  keys = scratch("keys", int(lengths64.sum()), np.int64)
+  samples = scratch("samples", keys.size, np.int32)
+  start = first = 0
+  for f, lo, hi in blocks:
+    flat = flats[f]
+    ids, block_weights = _block_ids(flat, lo, hi)
+    values = flat.values[ids]
+    if values.dtype not in (np.int32, np.int64):
+      values = values.astype(np.int64)
+    stop = start + values.size
+    table = tables[stack.features[f].table]
+    kernels.fill_keys(keys[start:stop], samples[start:stop], np.ascontiguousarray(values),
+                      lengths64[first:first + hi - lo], first, stack.vocabulary_size,
+                      stack.num_shards, stack.rows_per_shard, table.row_offset,
+                      table.shard_rotation)
+    if weights is not None:
+      weights[start:stop] = 1.0 if block_weights is None else block_weights
+    start, first = stop, first + hi - lo
+  return keys, samples
+
+
+def _numpy_keys(stack: StackLayout, flats, blocks, lengths, tables, weights):
+  """Keys and samples of `assemble_stack` with numpy."""
+  n_count = stack.num_shards
   samples = np.repeat(np.arange(lengths.size, dtype=np.int32), lengths)
   keys = scratch("keys", samples.size, np.int64)
   np.multiply(samples, stack.vocabulary_size, out=keys, dtype=np.int64)
@@ -139,23 +182,20 @@ def assemble_stack(
     else:
       rows.append((_global_rows(flat.values, n_count, stack.rows_per_shard, table.row_offset,
                                 table.shard_rotation), 0))
-  any_weights = any(flat.weights is not None for flat in flats)
-  weights = scratch("weights", samples.size, np.float32) if any_weights else None
   start = 0
   for f, lo, hi in blocks:
-    flat = flats[f]
-    a, b = int(flat.row_splits[lo]), int(flat.row_splits[hi])
-    stop = start + (b - a)
-    if b > a:
+    ids, block_weights = _block_ids(flats[f], lo, hi)
+    stop = start + (ids.stop - ids.start)
+    if stop > start:
       block = keys[start:stop]
       values, offset = rows[f]
-      np.add(block, values[a:b], out=block, casting="unsafe")
+      np.add(block, values[ids], out=block, casting="unsafe")
       if offset:
         block += offset
       if weights is not None:
-        weights[start:stop] = 1.0 if flat.weights is None else flat.weights[a:b]
+        weights[start:stop] = 1.0 if block_weights is None else block_weights
     start = stop
-  return StackKeys(keys, samples, lengths, weights)
+  return keys, samples
 
 
 def locate_sample(stack: StackLayout, num_devices: int, sample: int) -> tuple[str, int]:

@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from sc_framework.preprocessing import _native
 from sc_framework.preprocessing._scratch import scratch
 
 _SORT_RUN = 1 << 16  # keys per sort call (whole samples)
@@ -27,19 +28,20 @@ class Merged(NamedTuple):
   """Sorted ids and their merge into entries.
 
   Attributes:
-    keys: int64 [n] the sorted keys (scratch).
+    num_ids: n, the ids (keys) merged.
     weights: float32 [n] aligned with keys (scratch), or None (all ones).
     first: bool [n]: the id opens a new entry; None when every id does.
     repeats: int64 [d] ascending positions of the ids equal to the previous one.
-    entry_keys: int64 [n_e = n - d] the key of every entry (scratch).
+    entry_rows: int64 [n_e = n - d] the global row of every entry, its key
+      minus b * V_s (scratch).
     entry_samples: int32 [n_e] the sample b of every entry.
   """
 
-  keys: np.ndarray
+  num_ids: int
   weights: np.ndarray | None
   first: np.ndarray | None
   repeats: np.ndarray
-  entry_keys: np.ndarray
+  entry_rows: np.ndarray
   entry_samples: np.ndarray
 
   def _runs(self) -> tuple[np.ndarray, np.ndarray]:
@@ -60,7 +62,7 @@ class Merged(NamedTuple):
       return values
     entries, starts = self._runs()
     if values is None:
-      size = self.entry_keys.size
+      size = self.entry_rows.size
       out = np.empty(size, np.float32) if name is None else scratch(name, size, np.float32)
       out.fill(1.0)
       out[entries] += np.diff(np.append(starts, self.repeats.size))
@@ -71,7 +73,7 @@ class Merged(NamedTuple):
 
   def multiplicity(self) -> np.ndarray:
     """int64 [n_e]: the ids of every entry."""
-    out = np.ones(self.entry_keys.size, np.int64)
+    out = np.ones(self.entry_rows.size, np.int64)
     if self.repeats.size:
       entries, starts = self._runs()
       out[entries] += np.diff(np.append(starts, self.repeats.size))
@@ -109,19 +111,30 @@ def _drop_repeats(values: np.ndarray, first: np.ndarray, repeats: np.ndarray, na
 
 
 def merge(keys: np.ndarray, weights: np.ndarray | None, samples: np.ndarray,
-          lengths: np.ndarray) -> Merged:
+          lengths: np.ndarray, vocabulary_size: int) -> Merged:
   """Sorts the keys of every sample and merges equal keys into entries.
 
   Args:
-    keys: int64 [n] grouped by sample (a scratch array, sorted in place).
+    keys: int64 [n] b * V_s + global row, grouped by sample b (a scratch
+      array, sorted in place; it may come back holding entry_rows).
     weights: float32 [n] aligned with keys (sorted in place), or None.
-    samples: int32 [n] the sample of every key.
+    samples: int32 [n] the sample of every key (sample b owns lengths[b] keys).
     lengths: [B_total] keys per sample.
+    vocabulary_size: V_s.
 
   Returns:
     Merged.
   """
   n = keys.size
+  kernels = _native.host_kernels()
+  if kernels is not None:
+    found = scratch("repeats", n, np.int64)
+    entry_samples = scratch("entry_samples", n, np.int32)
+    count = kernels.merge_samples(keys, weights, lengths.astype(np.int64, copy=False), found,
+                                  vocabulary_size, entry_samples)
+    repeats = found[:count].copy()
+    return Merged(n, weights, _first(n, repeats), repeats, keys[:n - count],
+                  entry_samples[:n - count])
   repeats = np.zeros(0, np.int64)
   if n > 1:
     step = scratch("compare", n - 1, np.bool_)
@@ -129,13 +142,22 @@ def merge(keys: np.ndarray, weights: np.ndarray | None, samples: np.ndarray,
       _sort_by_sample(keys, np.cumsum(lengths), weights)
     repeats = np.flatnonzero(np.equal(keys[1:], keys[:-1], out=step))
     repeats += 1
+  first = _first(n, repeats)
+  entry_keys, entry_samples = keys, samples
+  if first is not None:
+    entry_keys = _drop_repeats(keys, first, repeats, "entry_keys")
+    entry_samples = _drop_repeats(samples, first, repeats, "entry_samples")
+  base = scratch("base", entry_samples.size, np.int64)
+  np.multiply(entry_samples, vocabulary_size, out=base, dtype=np.int64)
+  rows = np.subtract(entry_keys, base, out=entry_keys)
+  return Merged(n, weights, first, repeats, rows, entry_samples)
+
+
+def _first(n: int, repeats: np.ndarray) -> np.ndarray | None:
+  """bool [n] (scratch): not a repeat; None without repeats."""
   if not repeats.size:
-    return Merged(keys, weights, None, repeats, keys, samples)
+    return None
   first = scratch("first", n, np.bool_)
   first.fill(True)
   first[repeats] = False
-  return Merged(
-      keys, weights, first, repeats,
-      _drop_repeats(keys, first, repeats, "entry_keys"),
-      _drop_repeats(samples, first, repeats, "entry_samples"),
-  )
+  return first

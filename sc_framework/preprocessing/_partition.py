@@ -15,7 +15,9 @@ partition (device g, shard n). Steps, after `_dedup.merge`:
    rows come ascending from one pass over a [V_s] bitmap when V_s is small
    next to the device's entries, else from a sort; u is a row's rank among
    the distinct rows of its shard, and the entry's unique index is n * U + u (looked
-   up through a [V_s] table, so no per-entry division is needed).
+   up through a [V_s] table, so no per-entry division is needed). The C++
+   loops of `_native` use a bit map with per-word counts instead, which gives
+   the same distinct rows and ranks from the cache.
 3. Capacities: a partition may hold C entries and U distinct rows. Overflow
    raises, or with dropping enabled removes, in every partition:
      (a) every entry whose row is not among the first U distinct rows of the
@@ -39,6 +41,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from sc_framework.preprocessing import _native
 from sc_framework.preprocessing._assemble import StackKeys
 from sc_framework.preprocessing._batch import StackBatch
 from sc_framework.preprocessing._dedup import Merged, merge
@@ -62,9 +65,18 @@ class _Rows(NamedTuple):
   stride: int  # U, or the largest distinct count if that is larger
 
 
-def _distinct(rows: np.ndarray, v_s: int) -> tuple[np.ndarray, np.ndarray | None]:
-  """(ascending distinct values of rows, their rank for every row or None for bitmap)."""
+def _distinct(rows: np.ndarray, v_s: int, out: np.ndarray,
+              ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+  """(ascending distinct values of rows, their rank for every row or None for bitmap).
+
+  out: int64 [rows.size] and ranks: int32 [rows.size], where the C++ loops
+  (a bit map instead of the byte map) write the distinct values and ranks.
+  """
   if v_s <= max(_BITMAP_FACTOR * rows.size, _BITMAP_MIN):
+    kernels = _native.host_kernels()
+    if kernels is not None and rows.size < 2**31:
+      words = scratch("rank_words", -(-v_s // 64), np.uint64)
+      return out[:kernels.rank_rows(rows, words, v_s, out, ranks)], ranks
     mark = clear_mask(v_s)
     distinct = None
     try:
@@ -90,7 +102,12 @@ def _locate_rows(rows: np.ndarray, bounds, v_s: int, r: int, n_count: int,
                  unique_capacity: int) -> _Rows:
   """Step 2: distinct rows, counts and unique indices of every device's entries."""
   g_count = len(bounds) - 1
-  found = [_distinct(rows[bounds[g]:bounds[g + 1]], v_s) for g in range(g_count)]
+  # Device g's distinct rows (at most its entries) may go to out[bounds[g]:bounds[g + 1]].
+  out = scratch("distinct", rows.size, np.int64)
+  ranks = scratch("ranks", rows.size, np.int32)
+  found = [_distinct(rows[bounds[g]:bounds[g + 1]], v_s, out[bounds[g]:bounds[g + 1]],
+                     ranks[bounds[g]:bounds[g + 1]])
+           for g in range(g_count)]
   shard_starts = np.arange(n_count + 1, dtype=np.int64) * r
   edges = np.stack([np.searchsorted(distinct, shard_starts) for distinct, _ in found])
   unique_counts = np.diff(edges, axis=1)
@@ -109,8 +126,10 @@ def _locate_rows(rows: np.ndarray, bounds, v_s: int, r: int, n_count: int,
       index = scratch("index", v_s, dtype)
       index[distinct] = values
       index.take(rows[lo:hi], mode="clip", out=unique_index[lo:hi])
+    elif n_count == 1:  # values[j] = j
+      unique_index[lo:hi] = rank
     else:
-      unique_index[lo:hi] = values[rank]
+      np.take(values, rank, out=unique_index[lo:hi])
     if n_count == 1:
       counts[g, 0] = hi - lo
     else:
@@ -232,8 +251,15 @@ def _number_rows(located: _Rows, bounds, n_count: int) -> _Numbered:
   return _Numbered(ids, parts, offsets)
 
 
-def _drop_mask(rows: _Numbered, capacity: StackCapacity) -> np.ndarray:
-  """Step 3: bool [n_e] (scratch), the entries kept by rules (a) and (b).
+class _Kept(NamedTuple):
+  """Step 3's result: the kept entries, and the rows that keep any (or None)."""
+
+  keep: np.ndarray  # bool [n_e] (scratch)
+  alive: np.ndarray | None  # bool [rows numbered by `_number_rows`] (scratch), or None
+
+
+def _drop_mask(rows: _Numbered, capacity: StackCapacity) -> _Kept:
+  """Step 3: the entries kept by rules (a) and (b) (and with the C++ loops, the rows kept).
 
   Entries come in (sample, row) order. Linear passes, no sort of the
   entries: the first entry of every row is the minimum entry index over its
@@ -245,6 +271,13 @@ def _drop_mask(rows: _Numbered, capacity: StackCapacity) -> np.ndarray:
   """
   ids, parts = rows.ids, rows.parts
   num_parts, size = rows.offsets.size - 1, ids.size
+  kernels = _native.host_kernels()
+  if kernels is not None:  # one pass: rule (a) at a row's first entry, then rule (b)
+    keep = scratch("drop_keep", size, np.bool_)
+    alive = scratch("drop_alive", int(rows.offsets[-1]), np.bool_)
+    kernels.drop_entries(ids, parts, num_parts, capacity.max_unique_ids_per_partition,
+                         capacity.max_ids_per_partition, keep, alive)
+    return _Kept(keep, alive)
   index = arange32(size) if size < 2**31 else np.arange(size)
   first = scratch("drop_first", int(rows.offsets[-1]), index.dtype)
   first.fill(size)
@@ -264,10 +297,10 @@ def _drop_mask(rows: _Numbered, capacity: StackCapacity) -> np.ndarray:
   if (last_entry < size).any():
     in_first = np.less_equal(index, per_entry(last_entry), out=scratch("drop_in", size, np.bool_))
     np.logical_and(keep, in_first, out=keep)
-  return keep
+  return _Kept(keep, None)
 
 
-def _kept_rows(located: _Rows, rows: _Numbered, keep: np.ndarray, n_count: int,
+def _kept_rows(located: _Rows, rows: _Numbered, kept_entries: _Kept, n_count: int,
                unique_capacity: int) -> _Rows:
   """Step 2 for the entries kept by `keep`, from `located` (before dropping).
 
@@ -278,24 +311,25 @@ def _kept_rows(located: _Rows, rows: _Numbered, keep: np.ndarray, n_count: int,
   g_count = located.edges.shape[0]
   offsets = rows.offsets
   num_parts, num_rows = offsets.size - 1, int(offsets[-1])
-  kept = rows.ids[keep]
-  alive = scratch("drop_alive", num_rows, np.bool_)
-  alive.fill(False)
-  alive[kept] = True
-  # seen[j]: staying rows among rows 0 ... j - 1; row j of partition p has
-  # u' = seen[j] - seen[offsets[p]] and its unique index n * U + u'.
+  keep, alive = kept_entries
   dtype = np.int32 if max(n_count * unique_capacity, num_rows) < 2**31 else np.int64
-  seen = scratch("drop_unique_of", num_rows + 1, dtype)
-  seen[0] = 0
-  np.cumsum(alive, dtype=dtype, out=seen[1:])
-  before = seen[offsets[:-1]].astype(np.int64)
-  unique_counts = (seen[offsets[1:]] - before).reshape(g_count, n_count)
-  shift = np.arange(num_parts, dtype=np.int64) % n_count * unique_capacity - before
-  unique_of = seen[:-1]
-  unique_of += shift[0] if num_parts == 1 else np.repeat(shift.astype(dtype), np.diff(offsets))
-  unique_index = np.take(
-      unique_of, kept, mode="clip", out=scratch("drop_unique_index", kept.size, dtype)
-  )
+  kernels = _native.host_kernels()
+  if (kernels is not None and alive is not None and dtype == np.int32
+      and (n_count - 1) * unique_capacity + num_rows < 2**31):  # the kernel's int32 bound
+    unique_index = scratch("drop_unique_index", keep.size, dtype)
+    alive_counts = np.empty(num_parts, np.int64)
+    unique_index = unique_index[:kernels.kept_unique_index(
+        rows.ids, keep, alive, offsets, n_count, unique_capacity,
+        scratch("drop_unique_of", num_rows, dtype), unique_index, alive_counts)]
+    unique_counts = alive_counts.reshape(g_count, n_count)
+  else:
+    kept = rows.ids[keep]
+    if alive is None:
+      alive = scratch("drop_alive", num_rows, np.bool_)
+      alive.fill(False)
+      alive[kept] = True
+    unique_index, unique_counts = _kept_unique_index(rows, kept, alive, n_count,
+                                                     unique_capacity, dtype)
   distinct = [
       located.distinct[g][alive[offsets[g * n_count]:offsets[(g + 1) * n_count]]]
       for g in range(g_count)
@@ -303,10 +337,34 @@ def _kept_rows(located: _Rows, rows: _Numbered, keep: np.ndarray, n_count: int,
   edges = np.zeros((g_count, n_count + 1), np.int64)
   np.cumsum(unique_counts, axis=1, out=edges[:, 1:])
   if rows.parts is None:
-    counts = np.full((1, 1), kept.size, np.int64)
+    counts = np.full((1, 1), unique_index.size, np.int64)
   else:
     counts = np.bincount(rows.parts[keep], minlength=num_parts).reshape(g_count, n_count)
   return _Rows(distinct, edges, counts, unique_index, unique_capacity)
+
+
+def _kept_unique_index(rows: _Numbered, kept: np.ndarray, alive: np.ndarray, n_count: int,
+                       unique_capacity: int, dtype) -> tuple[np.ndarray, np.ndarray]:
+  """(unique index n * U + u' of every kept entry, staying rows per partition [G, N]).
+
+  kept: the numbered row of every kept entry; alive: bool, the rows kept.
+  """
+  offsets = rows.offsets
+  num_parts, num_rows = offsets.size - 1, int(offsets[-1])
+  # seen[j]: staying rows among rows 0 ... j - 1; row j of partition p has
+  # u' = seen[j] - seen[offsets[p]] and its unique index n * U + u'.
+  seen = scratch("drop_unique_of", num_rows + 1, dtype)
+  seen[0] = 0
+  np.cumsum(alive, dtype=dtype, out=seen[1:])
+  before = seen[offsets[:-1]].astype(np.int64)
+  unique_counts = (seen[offsets[1:]] - before).reshape(-1, n_count)
+  shift = np.arange(num_parts, dtype=np.int64) % n_count * unique_capacity - before
+  unique_of = seen[:-1]
+  unique_of += shift[0] if num_parts == 1 else np.repeat(shift.astype(dtype), np.diff(offsets))
+  unique_index = np.take(
+      unique_of, kept, mode="clip", out=scratch("drop_unique_index", kept.size, dtype)
+  )
+  return unique_index, unique_counts
 
 
 def _overflow_error(stack: StackLayout, counts, unique_counts,
@@ -356,11 +414,8 @@ def _partition(stack: StackLayout, stack_keys: StackKeys, num_devices: int,
   lengths = stack_keys.lengths
   local_batch = lengths.size // g_count
 
-  merged = merge(stack_keys.keys, stack_keys.weights, stack_keys.samples, lengths)
-  samples = merged.entry_samples
-  base = scratch("base", samples.size, np.int64)
-  np.multiply(samples, v_s, out=base, dtype=np.int64)
-  rows = np.subtract(merged.entry_keys, base, out=merged.entry_keys)  # global rows
+  merged = merge(stack_keys.keys, stack_keys.weights, stack_keys.samples, lengths, v_s)
+  samples, rows = merged.entry_samples, merged.entry_rows
   bounds = _device_bounds(samples, g_count, local_batch)
   located = _locate_rows(rows, bounds, v_s, r, n_count, u_cap)
   unique_counts = np.diff(located.edges, axis=1)
@@ -368,7 +423,7 @@ def _partition(stack: StackLayout, stack_keys: StackKeys, num_devices: int,
       tables=stack.table_names,
       max_ids_per_partition=int(located.counts.max(initial=0)),
       max_unique_ids_per_partition=int(unique_counts.max(initial=0)),
-      num_ids=int(merged.keys.size),
+      num_ids=int(merged.num_ids),
       num_entries=int(samples.size),
       num_dropped_ids=0,
       capacity=capacity,
@@ -443,22 +498,24 @@ def partition_stack(
       denominators = np.bincount(owners, squared, minlength=total)
   else:
     numbered = _number_rows(located, bounds, n_count)
-    keep = _drop_mask(numbered, capacity)
+    kept_entries = _drop_mask(numbered, capacity)
+    keep = kept_entries.keep
     ids = merged.entry_sum(None, "drop_multiplicity")  # ids per entry; None: 1 each
     kept_ids = (np.count_nonzero(keep) if ids is None
                 else int(np.sum(ids, where=keep, dtype=np.float64)))
-    stats = dataclasses.replace(stats, num_dropped_ids=int(merged.keys.size - kept_ids))
-    if combiner == "sqrtn" and weights is not None:
-      mass = merged.entry_sum(np.square(weights, dtype=np.float64))[keep]
-    else:
-      mass = None if entry_weights is None else entry_weights[keep]
+    stats = dataclasses.replace(stats, num_dropped_ids=int(merged.num_ids - kept_ids))
     samples = samples[keep]
-    entry_weights = None if entry_weights is None else entry_weights[keep]
-    denominators = (lengths if combiner == "sum"  # unused: 'sum' has no factor
-                    else np.bincount(samples, mass, minlength=total))
+    kept_weights = None if entry_weights is None else entry_weights[keep]
+    if combiner == "sum":
+      denominators = lengths  # unused: 'sum' has no factor
+    else:
+      mass = (merged.entry_sum(np.square(weights, dtype=np.float64))[keep]
+              if combiner == "sqrtn" and weights is not None else kept_weights)
+      denominators = np.bincount(samples, mass, minlength=total)
+    entry_weights = kept_weights
     owners, masses = samples, entry_weights
     bounds = _device_bounds(samples, g_count, local_batch)
-    located = _kept_rows(located, numbered, keep, n_count, u_cap)
+    located = _kept_rows(located, numbered, kept_entries, n_count, u_cap)
   if sequence_samples is not None and combiner != "sum":
     denominators = np.where(sequence_samples, 1, denominators)
   factor = _factors(combiner, denominators, owners, masses, describe_sample)

@@ -5,7 +5,8 @@ combiner gain from plain per-sample Python lists, places every id with the
 DESIGN.md formulas, and splits the samples over the devices. Every StackBatch
 is decoded back into per-sample multisets {(shard, local row, gain)} and
 compared, and a numpy lookup through the buffers is compared with the dense
-sum_j gain_j * table[id_j].
+sum_j gain_j * table[id_j]. Every test runs twice: with the C++ preprocessing
+loops (where they are built) and with the numpy code alone.
 """
 
 from __future__ import annotations
@@ -37,12 +38,24 @@ from sc_framework.preprocessing import (
     size_limits_from_stats,
     stack_capacities,
 )
+from sc_framework.preprocessing import _native
 from sc_framework.preprocessing._partition import _drop_mask, _Numbered
 from sc_framework.specs import FeatureSpec, TableSpec
 from sc_framework.stacking import auto_stack_tables, stack_tables
 from tests.numerics import assert_close, assert_same_bits
 
 FORMS = ("dense", "ragged_list", "object_array", "ragged_splits", "ragged_lengths", "coo")
+
+
+@pytest.fixture(autouse=True, params=["cpp", "numpy"])
+def preprocessing_loops(request, monkeypatch):
+  """Runs the test with the C++ loops of `_native`, then with numpy alone."""
+  if request.param == "numpy":
+    monkeypatch.setattr(_native, "host_kernels", lambda: None)
+  elif _native.host_kernels() is None:
+    pytest.skip("the C++ preprocessing loops are not built here")
+  return request.param
+
 
 # --- the reference ------------------------------------------------------------
 
@@ -495,7 +508,8 @@ def random_models(draw):
       st.integers(0, 2**31))
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(random_models())
 def test_random_models(case):
   specs, g_count, s_count, weighted, form, seed = case
@@ -658,7 +672,7 @@ def drop_mask(row_ids, stride, num_parts, capacity):
   """`_drop_mask` of rows numbered p * stride + u in partition p (a copy)."""
   parts = None if num_parts == 1 else row_ids // stride
   offsets = np.arange(num_parts + 1) * stride
-  return _drop_mask(_Numbered(row_ids, parts, offsets), capacity).copy()
+  return _drop_mask(_Numbered(row_ids, parts, offsets), capacity).keep.copy()
 
 
 def reference_drop_mask(row_ids, stride, capacity):
@@ -678,7 +692,8 @@ def reference_drop_mask(row_ids, stride, capacity):
   return np.array(keep, np.bool_)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1), num_parts=st.integers(1, 6), stride=st.integers(1, 12),
        size=st.integers(0, 300), entries=st.integers(1, 60), rows=st.integers(1, 14),
        grouped=st.booleans())

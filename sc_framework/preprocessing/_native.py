@@ -1,0 +1,36 @@
+"""The optional C++ loops of host preprocessing (`_host_kernels.cc`), or None.
+
+setup.py builds them where a C++17 compiler is available (optional: without
+one, installing still succeeds). Every caller keeps its numpy code and uses
+it when `host_kernels()` is None; the two give the same results bit for bit
+(the tests run both). The C++ loops replace what numpy can only express with
+a sort, a scatter or extra temporaries:
+
+  fill_keys       `_assemble`: keys b * V_s + global row and samples, one pass
+  merge_samples   `_dedup.merge`: each sample's keys sorted stably (weights
+                  alongside), the positions of repeated keys, and the rows and
+                  samples of the entries (repeats left out), in one pass
+  rank_rows       `_partition`: a device's ascending distinct rows and every
+                  entry's rank among them, from a bit map that stays in the
+                  cache (numpy: a byte map, then a [V_s] table of ranks)
+  drop_entries    `_partition._drop_mask`: the overflow rules (a) and (b) in
+                  one pass over the entries, and the rows left alive
+
+They release the GIL while they loop, so preprocessing threads (e.g. a
+prefetching input pipeline) run them concurrently with the training step.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+
+@functools.cache
+def host_kernels() -> ModuleType | None:
+  """The built extension module, or None when it was not built here."""
+  try:
+    from sc_framework.preprocessing import _host_kernels  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  return _host_kernels
