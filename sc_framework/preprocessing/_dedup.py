@@ -71,6 +71,13 @@ class Merged(NamedTuple):
       out[entries] += np.add.reduceat(values[self.repeats], starts)
     return out
 
+  def kept_ids(self, keep: np.ndarray) -> int:
+    """The ids of the entries `keep` (bool [n_e]) selects: sum of their m_e."""
+    kept = np.count_nonzero(keep)
+    if self.repeats.size:  # the j-th repeat (0-based) belongs to entry d_j - j - 1
+      kept += np.count_nonzero(keep[self.repeats - np.arange(1, self.repeats.size + 1)])
+    return int(kept)
+
   def multiplicity(self) -> np.ndarray:
     """int64 [n_e]: the ids of every entry."""
     out = np.ones(self.entry_rows.size, np.int64)

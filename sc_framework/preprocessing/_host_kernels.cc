@@ -20,16 +20,20 @@
 //       ranks[i] = j where distinct[j] = rows[i], through a bit map over
 //       [0, V) in `words` (uint64, any content on entry): 1/8 byte per row,
 //       so the map and its per-word counts stay in the cache.
-//   drop_entries(ids, parts | None, P, U, C, keep, alive) -> kept
-//       Entries e in (sample, row) order, of row ids[e] (numbered over all
-//       partitions) in partition parts[e] (None: one): keep[e] = the row is
-//       among the first U rows of its partition in first-entry order, and
-//       the entry among the first C such entries of its partition;
-//       alive[row] = any of its entries is kept.
-//   kept_unique_index(ids, keep, alive, offsets, n, U, unique_of, out, counts) -> k
-//       Rows offsets[p] ... offsets[p + 1] - 1 form partition p: unique_of[row]
-//       = (p mod n) * U + (alive rows before it in p), counts[p] = alive rows
-//       of p, and out[:k] = unique_of[ids[e]] of the kept entries e, in order.
+//   drop_device(unique_index, stride, edges, U, C, samples, weights | None, distinct,
+//               words, keep, out_samples, out_weights | None, out_index, out_distinct,
+//               counts, unique_counts) -> k
+//       One device's entries e in (sample, row) order, entry e of unique index
+//       v = n * stride + u naming row edges[n] + u of distinct (the device's
+//       rows, shard n's at edges[n] ... edges[n + 1] - 1). Partition = shard:
+//       keep[e] = the row is among the first U rows of its shard in
+//       first-entry order and the entry among the first C such entries of its
+//       shard. The k kept entries' samples, weights and unique indices
+//       n * U + u' (u': kept rows before the row in its shard) go to
+//       out_*[:k] in order; the kept rows (those with a kept entry) to
+//       out_distinct[:sum(unique_counts)], ascending; counts[n] / unique_counts[n]:
+//       shard n's kept entries / rows. `words` (uint64, any content on entry):
+//       the bit map of kept rows.
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -41,6 +45,7 @@
 #include <numeric>
 #include <system_error>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -483,181 +488,315 @@ PyObject* rank_rows(PyObject*, PyObject* args) {
   return PyLong_FromSsize_t(found);
 }
 
-// ---------------------------------------------------------------- drop_entries
+// ---------------------------------------------------------------- drop_device
 
-// The pass of drop_entries; kOnePart: all entries in partition 0, whose
-// counters are plain locals (never addressed, so byte stores cannot alias
-// them and they stay in registers). state[row] (zeroed, num_rows): 0 not seen
-// yet, 1 among its partition's first U rows, 2 not.
-template <bool kOnePart>
-Py_ssize_t Drop(const int64_t* id, const int64_t* part, Py_ssize_t size, int64_t num_parts,
-                int64_t unique_capacity, int64_t entry_capacity, uint8_t* kept,
-                uint8_t* state, uint8_t* live) {
-  std::vector<int64_t> rows_seen(kOnePart ? 0 : num_parts, 0);
-  std::vector<int64_t> entries_kept(kOnePart ? 0 : num_parts, 0);
-  int64_t one_seen = 0, one_kept = 0;
-  Py_ssize_t total = 0;
+// Row of unique index v = n * stride + u: edge[n] + u, the rows of all
+// shards numbered one after the other; n = 0 (and row v) with one shard.
+// Indices and stride fit int32 (checked), so the division is a 32-bit one.
+struct Located {
+  int64_t shard, row;
+};
+
+template <bool kOneShard>
+Located Locate(int32_t v, int64_t stride, const int64_t* edge) {
+  if constexpr (kOneShard) {
+    return {0, v};
+  } else {
+    const uint32_t n = static_cast<uint32_t>(v) / static_cast<uint32_t>(stride);
+    return {n, edge[n] + v - static_cast<int64_t>(n) * stride};
+  }
+}
+
+// The first entry whose unique index names no row of `edge`, or -1.
+Py_ssize_t FirstBadIndex(const int32_t* index, Py_ssize_t size, int64_t stride,
+                         const int64_t* edge, int64_t num_shards) {
+  if (num_shards == 1) {
+    for (Py_ssize_t e = 0; e < size; ++e) {
+      if (static_cast<uint32_t>(index[e]) >= static_cast<uint64_t>(edge[1])) return e;
+    }
+    return -1;
+  }
   for (Py_ssize_t e = 0; e < size; ++e) {
-    const int64_t row = id[e];
-    const int64_t seen_rows = kOnePart ? one_seen : rows_seen[part[e]];
-    const int64_t kept_entries = kOnePart ? one_kept : entries_kept[part[e]];
-    // Branch-free: half the rows are seen for the first time, unpredictably.
-    const uint8_t old = state[row];
-    const uint8_t fresh = old == 0;
-    const uint8_t status = fresh ? (seen_rows < unique_capacity ? 1 : 2) : old;
-    const uint8_t take = (status == 1) & (kept_entries < entry_capacity);
-    if constexpr (kOnePart) {
-      one_seen += fresh;
+    if (index[e] < 0) return e;
+    const Located at = Locate<false>(index[e], stride, edge);
+    if (at.shard >= num_shards || at.row >= edge[at.shard + 1]) return e;
+  }
+  return -1;
+}
+
+// Shortest run of surely kept entries `DropPass` copies as a block.
+constexpr int64_t kMinDropRun = 64;
+
+// Marks rows[0, count) in the bit map; returns how many were not marked yet.
+int64_t MarkRows(const int32_t* rows, int64_t count, uint64_t* word) {
+  int64_t fresh = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const uint32_t row = static_cast<uint32_t>(rows[i]);
+    const uint64_t bit = uint64_t{1} << (row & 63);
+    const uint64_t bits = word[row >> 6];
+    fresh += (bits & bit) == 0;
+    word[row >> 6] = bits | bit;
+  }
+  return fresh;
+}
+
+// Pass 1 of drop_device: the overflow rules in one pass, rows marked in a
+// bit map as their first entry is kept (a row is marked iff it keeps an
+// entry: its first entry decides rule (a), and once its partition took C
+// entries nothing more is kept). Kept entries' samples, weights and unique
+// indices are written compactly (branch-free: overwritten unless kept); the
+// counters of a single shard are plain locals so they stay in registers.
+template <bool kOneShard, bool kWeights>
+Py_ssize_t DropPass(const int32_t* index, Py_ssize_t size, int64_t stride, const int64_t* edge,
+                    int64_t num_shards, int64_t unique_capacity, int64_t entry_capacity,
+                    const int32_t* sample, const float* weight, uint64_t* word, uint8_t* kept,
+                    int32_t* out_sample, float* out_weight, int32_t* out_index,
+                    int64_t* counts) {
+  std::vector<int64_t> rows_seen(kOneShard ? 0 : num_shards, 0);
+  int64_t one_seen = 0, one_kept = 0;
+  if (!kOneShard) std::fill(counts, counts + num_shards, 0);
+  Py_ssize_t w = 0, e = 0;
+  if constexpr (kOneShard) {
+    // Leading runs that no limit can cut: with s rows seen and k entries
+    // kept, the next min(U - s, C - k) entries are all kept (each adds at
+    // most one row), so they are copied and their rows marked without the
+    // per-entry decisions. Nothing is dropped before, so w = e.
+    for (;;) {
+      const int64_t run = std::min({unique_capacity - one_seen, entry_capacity - one_kept,
+                                    static_cast<int64_t>(size - e)});
+      if (run <= 0 || (run < kMinDropRun && run < size - e)) break;
+      one_seen += MarkRows(index + e, run, word);
+      std::memcpy(out_sample + e, sample + e, run * sizeof(int32_t));
+      if constexpr (kWeights) std::memcpy(out_weight + e, weight + e, run * sizeof(float));
+      std::memcpy(out_index + e, index + e, run * sizeof(int32_t));
+      std::memset(kept + e, 1, run);
+      one_kept += run;
+      e += run;
+    }
+    w = e;
+  }
+  for (; e < size; ++e) {
+    const int32_t v = index[e];
+    const Located at = Locate<kOneShard>(v, stride, edge);
+    const int64_t seen = kOneShard ? one_seen : rows_seen[at.shard];
+    const int64_t taken = kOneShard ? one_kept : counts[at.shard];
+    const uint64_t bit = uint64_t{1} << (at.row & 63);
+    const uint64_t bits = word[at.row >> 6];
+    const bool marked = (bits & bit) != 0;
+    const bool take = (marked | (seen < unique_capacity)) & (taken < entry_capacity);
+    const bool mark = take & !marked;
+    word[at.row >> 6] = bits | (bit & (uint64_t{0} - mark));
+    if constexpr (kOneShard) {
+      one_seen += mark;
       one_kept += take;
     } else {
-      rows_seen[part[e]] += fresh;
-      entries_kept[part[e]] += take;
+      rows_seen[at.shard] += mark;
+      counts[at.shard] += take;
     }
-    state[row] = status;
     kept[e] = take;
-    live[row] |= take;
-    total += take;
+    out_sample[w] = sample[e];
+    if constexpr (kWeights) out_weight[w] = weight[e];
+    out_index[w] = v;
+    w += take;
   }
-  return total;
+  if (kOneShard) counts[0] = one_kept;
+  return w;
 }
 
-PyObject* drop_entries(PyObject*, PyObject* args) {
-  PyObject *ids_object, *parts_object, *keep_object, *alive_object;
-  long long num_parts, unique_capacity, entry_capacity;
-  if (!PyArg_ParseTuple(args, "OOLLLOO", &ids_object, &parts_object, &num_parts,
-                        &unique_capacity, &entry_capacity, &keep_object, &alive_object)) {
-    return nullptr;
+// Pass 3: the kept entries' unique indices v -> n * U + u', u' the marked
+// rows before the entry's row in its shard: base[n] + before[w] + the marks of
+// word w below the row (base[n] = n * U - marked rows before shard n).
+template <bool kOneShard, typename Popcount>
+void NewIndices(int32_t* index, Py_ssize_t count, int64_t stride, const int64_t* edge,
+                const int64_t* base, const uint64_t* word, const int32_t* before,
+                Popcount popcount) {
+  for (Py_ssize_t j = 0; j < count; ++j) {
+    const Located at = Locate<kOneShard>(index[j], stride, edge);
+    const uint64_t below = word[at.row >> 6] & ((uint64_t{1} << (at.row & 63)) - 1);
+    index[j] = static_cast<int32_t>(base[at.shard] + before[at.row >> 6] + popcount(below));
   }
-  const bool one_part = parts_object == Py_None;
-  Array ids, parts, keep, alive;
-  if (!ids.Take(ids_object, "ids", 8, false) ||
-      (!one_part && !parts.Take(parts_object, "parts", 8, false)) ||
-      !keep.Take(keep_object, "keep", 1, true) || !alive.Take(alive_object, "alive", 1, true)) {
-    return nullptr;
-  }
-  const Py_ssize_t size = ids.size(), num_rows = alive.size();
-  if (keep.size() != size) return SizeError("keep: len(ids)", size, keep.size()), nullptr;
-  if (!one_part && parts.size() != size) {
-    return SizeError("parts: len(ids)", size, parts.size()), nullptr;
-  }
-  if (num_parts < 1 || (one_part && num_parts != 1)) {
-    PyErr_Format(PyExc_ValueError, "num_parts = %lld: at least 1, and 1 without parts",
-                 num_parts);
-    return nullptr;
-  }
-  const int64_t* id = ids.data<int64_t>();
-  const int64_t* part = one_part ? nullptr : parts.data<int64_t>();
-  Py_ssize_t outside = FirstOutside(id, size, num_rows);
-  if (outside >= 0) {
-    PyErr_Format(PyExc_ValueError, "ids[%zd] = %lld is outside [0, %zd)", outside,
-                 static_cast<long long>(id[outside]), num_rows);
-    return nullptr;
-  }
-  outside = one_part ? -1 : FirstOutside(part, size, num_parts);
-  if (outside >= 0) {
-    PyErr_Format(PyExc_ValueError, "parts[%zd] = %lld is outside [0, %lld)", outside,
-                 static_cast<long long>(part[outside]), num_parts);
-    return nullptr;
-  }
-  uint8_t* kept = keep.data<uint8_t>();
-  uint8_t* live = alive.data<uint8_t>();
-  Py_ssize_t total = 0;
-  Py_BEGIN_ALLOW_THREADS;
-  std::vector<uint8_t> state(num_rows, 0);
-  std::memset(live, 0, num_rows);
-  total = one_part ? Drop<true>(id, part, size, num_parts, unique_capacity, entry_capacity, kept,
-                                state.data(), live)
-                   : Drop<false>(id, part, size, num_parts, unique_capacity, entry_capacity,
-                                 kept, state.data(), live);
-  Py_END_ALLOW_THREADS;
-  return PyLong_FromSsize_t(total);
 }
 
-// ---------------------------------------------------------------- kept_unique_index
+#if defined(__x86_64__) || defined(__i386__)
+template <bool kOneShard>
+__attribute__((target("popcnt"))) void NewIndicesPopcnt(int32_t* index, Py_ssize_t count,
+                                                         int64_t stride, const int64_t* edge,
+                                                         const int64_t* base,
+                                                         const uint64_t* word,
+                                                         const int32_t* before) {
+  NewIndices<kOneShard>(index, count, stride, edge, base, word, before, PopcountInstruction);
+}
+#endif
 
-PyObject* kept_unique_index(PyObject*, PyObject* args) {
-  PyObject *ids_object, *keep_object, *alive_object, *offsets_object, *unique_of_object,
-      *out_object, *alive_counts_object;
-  long long num_shards, unique_capacity;
-  if (!PyArg_ParseTuple(args, "OOOOLLOOO", &ids_object, &keep_object, &alive_object,
-                        &offsets_object, &num_shards, &unique_capacity, &unique_of_object,
-                        &out_object, &alive_counts_object)) {
+template <bool kOneShard>
+void NewIndicesAnyCpu(int32_t* index, Py_ssize_t count, int64_t stride, const int64_t* edge,
+                      const int64_t* base, const uint64_t* word, const int32_t* before) {
+#if defined(__x86_64__) || defined(__i386__)
+  if (__builtin_cpu_supports("popcnt")) {
+    NewIndicesPopcnt<kOneShard>(index, count, stride, edge, base, word, before);
+    return;
+  }
+#endif
+  NewIndices<kOneShard>(index, count, stride, edge, base, word, before, Popcount);
+}
+
+// The three passes of drop_device; returns the kept entries.
+template <bool kOneShard, bool kWeights>
+Py_ssize_t DropDevice(const int32_t* index, Py_ssize_t size, int64_t stride, const int64_t* edge,
+                      int64_t num_shards, int64_t unique_capacity, int64_t entry_capacity,
+                      const int32_t* sample, const float* weight, const int64_t* distinct,
+                      uint64_t* word, uint8_t* kept, int32_t* out_sample, float* out_weight,
+                      int32_t* out_index, int64_t* out_distinct, int64_t* counts,
+                      int64_t* unique_counts) {
+  const int64_t num_rows = edge[num_shards];
+  const Py_ssize_t num_words = static_cast<Py_ssize_t>(num_rows / 64 + 1);
+  std::memset(word, 0, num_words * sizeof(uint64_t));
+  const Py_ssize_t count = DropPass<kOneShard, kWeights>(
+      index, size, stride, edge, num_shards, unique_capacity, entry_capacity, sample, weight,
+      word, kept, out_sample, out_weight, out_index, counts);
+  // Pass 2, over the bit map: marked rows before every word, the marked rows'
+  // global rows in order, and every shard's marked rows.
+  std::vector<int32_t> before(num_words);
+  int32_t found = 0;
+  for (Py_ssize_t w = 0; w < num_words; ++w) {
+    before[w] = found;
+    for (uint64_t bits = word[w]; bits; bits &= bits - 1) {
+      out_distinct[found++] = distinct[w * 64 + __builtin_ctzll(bits)];
+    }
+  }
+  auto marked_before = [&](int64_t row) {
+    const uint64_t below = word[row >> 6] & ((uint64_t{1} << (row & 63)) - 1);
+    return static_cast<int64_t>(before[row >> 6]) + __builtin_popcountll(below);
+  };
+  std::vector<int64_t> base(num_shards);
+  for (int64_t n = 0; n < num_shards; ++n) {
+    const int64_t first = marked_before(edge[n]);
+    unique_counts[n] = marked_before(edge[n + 1]) - first;
+    base[n] = n * unique_capacity - first;
+  }
+  NewIndicesAnyCpu<kOneShard>(out_index, count, stride, edge, base.data(), word, before.data());
+  return count;
+}
+
+PyObject* drop_device(PyObject*, PyObject* args) {
+  PyObject *index_object, *edges_object, *samples_object, *weights_object, *distinct_object,
+      *words_object, *keep_object, *out_samples_object, *out_weights_object, *out_index_object,
+      *out_distinct_object, *counts_object, *unique_counts_object;
+  long long stride, unique_capacity, entry_capacity;
+  if (!PyArg_ParseTuple(args, "OLOLLOOOOOOOOOOO", &index_object, &stride, &edges_object,
+                        &unique_capacity, &entry_capacity, &samples_object, &weights_object,
+                        &distinct_object, &words_object, &keep_object, &out_samples_object,
+                        &out_weights_object, &out_index_object, &out_distinct_object,
+                        &counts_object, &unique_counts_object)) {
     return nullptr;
   }
-  Array ids, keep, alive, offsets, unique_of, out, alive_counts;
-  if (!ids.Take(ids_object, "ids", 8, false) || !keep.Take(keep_object, "keep", 1, false) ||
-      !alive.Take(alive_object, "alive", 1, false) ||
-      !offsets.Take(offsets_object, "offsets", 8, false) ||
-      !unique_of.Take(unique_of_object, "unique_of", 4, true) ||
-      !out.Take(out_object, "out", 4, true) ||
-      !alive_counts.Take(alive_counts_object, "alive_counts", 8, true)) {
+  const bool weighted = weights_object != Py_None;
+  if (weighted != (out_weights_object != Py_None)) {
+    PyErr_SetString(PyExc_ValueError, "weights and out_weights: both arrays or both None");
     return nullptr;
   }
-  const Py_ssize_t size = ids.size(), num_rows = alive.size();
-  const Py_ssize_t num_parts = offsets.size() - 1;
-  const int64_t* offset = offsets.data<int64_t>();
-  if (keep.size() != size) return SizeError("keep: len(ids)", size, keep.size()), nullptr;
-  if (out.size() != size) return SizeError("out: len(ids)", size, out.size()), nullptr;
-  if (unique_of.size() != num_rows) {
-    return SizeError("unique_of: len(alive)", num_rows, unique_of.size()), nullptr;
+  Array index, edges, samples, weights, distinct, words, keep, out_samples, out_weights,
+      out_index, out_distinct, counts, unique_counts;
+  if (!index.Take(index_object, "unique_index", 4, false) ||
+      !edges.Take(edges_object, "edges", 8, false) ||
+      !samples.Take(samples_object, "samples", 4, false) ||
+      (weighted && !weights.Take(weights_object, "weights", 4, false)) ||
+      !distinct.Take(distinct_object, "distinct", 8, false) ||
+      !words.Take(words_object, "words", 8, true) || !keep.Take(keep_object, "keep", 1, true) ||
+      !out_samples.Take(out_samples_object, "out_samples", 4, true) ||
+      (weighted && !out_weights.Take(out_weights_object, "out_weights", 4, true)) ||
+      !out_index.Take(out_index_object, "out_index", 4, true) ||
+      !out_distinct.Take(out_distinct_object, "out_distinct", 8, true) ||
+      !counts.Take(counts_object, "counts", 8, true) ||
+      !unique_counts.Take(unique_counts_object, "unique_counts", 8, true)) {
+    return nullptr;
   }
-  if (num_parts < 1 || alive_counts.size() != num_parts) {
-    return SizeError("alive_counts: len(offsets) - 1", num_parts, alive_counts.size()), nullptr;
+  const Py_ssize_t size = index.size();
+  const int64_t num_shards = edges.size() - 1;
+  const int64_t* edge = edges.data<int64_t>();
+  if (num_shards < 1 || stride < 1 || stride > std::numeric_limits<int32_t>::max() ||
+      unique_capacity < 0 ||
+      num_shards * unique_capacity > std::numeric_limits<int32_t>::max()) {
+    PyErr_Format(PyExc_ValueError,
+                 "need len(edges) >= 2, 1 <= stride <= 2^31 - 1 and 0 <= (len(edges) - 1) * U <= 2^31 - 1,"
+                 " got %lld, %lld, %lld", static_cast<long long>(num_shards + 1), stride,
+                 unique_capacity);
+    return nullptr;
   }
-  for (Py_ssize_t p = 0; p <= num_parts; ++p) {
-    const bool bad = p == 0 ? offset[0] != 0
-                            : offset[p] < offset[p - 1] || (p == num_parts && offset[p] != num_rows);
-    if (bad) {
+  for (int64_t n = 0; n < num_shards; ++n) {
+    if (edge[0] != 0 || edge[n + 1] < edge[n] || edge[n + 1] - edge[n] > stride) {
       PyErr_Format(PyExc_ValueError,
-                   "offsets must not decrease from 0 to len(alive) = %zd, got offsets[%zd] = %lld",
-                   num_rows, p, static_cast<long long>(offset[p]));
+                   "edges must rise from 0 by at most stride = %lld, got edges[%lld] = %lld",
+                   stride, static_cast<long long>(n + 1), static_cast<long long>(edge[n + 1]));
       return nullptr;
     }
   }
-  if (num_shards < 1 || (num_shards - 1) * unique_capacity + num_rows >
-                            std::numeric_limits<int32_t>::max()) {
-    PyErr_SetString(PyExc_ValueError, "unique indices beyond int32");
+  const int64_t num_rows = edge[num_shards];
+  if (num_rows > std::numeric_limits<int32_t>::max()) {
+    PyErr_SetString(PyExc_ValueError, "more rows than int32 ranks");
     return nullptr;
   }
-  const int64_t* id = ids.data<int64_t>();
-  const Py_ssize_t outside = FirstOutside(id, size, num_rows);
-  if (outside >= 0) {
-    PyErr_Format(PyExc_ValueError, "ids[%zd] = %lld is outside [0, %zd)", outside,
-                 static_cast<long long>(id[outside]), num_rows);
+  if (distinct.size() != num_rows) {
+    return SizeError("distinct: edges[-1]", num_rows, distinct.size()), nullptr;
+  }
+  if (words.size() < num_rows / 64 + 1) {
+    return SizeError("words: at least edges[-1] / 64 + 1", num_rows / 64 + 1, words.size()),
+           nullptr;
+  }
+  const std::pair<const Array*, const char*> per_entry[] = {
+      {&samples, "samples: len(unique_index)"}, {&keep, "keep: len(unique_index)"},
+      {&out_samples, "out_samples: len(unique_index)"},
+      {&out_index, "out_index: len(unique_index)"}};
+  for (const auto& [array, name] : per_entry) {
+    if (array->size() != size) return SizeError(name, size, array->size()), nullptr;
+  }
+  if (weighted && (weights.size() != size || out_weights.size() != size)) {
+    return SizeError("weights and out_weights: len(unique_index)", size,
+                     weights.size() != size ? weights.size() : out_weights.size()),
+           nullptr;
+  }
+  if (out_distinct.size() != num_rows) {
+    return SizeError("out_distinct: edges[-1]", num_rows, out_distinct.size()), nullptr;
+  }
+  if (counts.size() != num_shards || unique_counts.size() != num_shards) {
+    return SizeError("counts and unique_counts: len(edges) - 1", num_shards,
+                     counts.size() != num_shards ? counts.size() : unique_counts.size()),
+           nullptr;
+  }
+  const int32_t* ui = index.data<int32_t>();
+  const Py_ssize_t bad = FirstBadIndex(ui, size, stride, edge, num_shards);
+  if (bad >= 0) {
+    PyErr_Format(PyExc_ValueError, "unique_index[%zd] = %d names no row of edges", bad, ui[bad]);
     return nullptr;
   }
-  const uint8_t* kept = keep.data<uint8_t>();
-  const uint8_t* live = alive.data<uint8_t>();
-  int32_t* unique = unique_of.data<int32_t>();
-  int32_t* index = out.data<int32_t>();
-  int64_t* counts = alive_counts.data<int64_t>();
-  Py_ssize_t total = 0;
+  Py_ssize_t count = 0;
   Py_BEGIN_ALLOW_THREADS;
-  for (Py_ssize_t p = 0; p < num_parts; ++p) {
-    const int32_t shift = static_cast<int32_t>(p % num_shards * unique_capacity);
-    int32_t running = 0;
-    for (int64_t row = offset[p]; row < offset[p + 1]; ++row) {
-      unique[row] = shift + running;
-      running += live[row] != 0;
-    }
-    counts[p] = running;
-  }
-  for (Py_ssize_t e = 0; e < size; ++e) {
-    index[total] = unique[id[e]];  // branch-free: overwritten unless kept
-    total += kept[e] != 0;
+  auto run = [&](auto one_shard, auto with_weights) {
+    return DropDevice<decltype(one_shard)::value, decltype(with_weights)::value>(
+        ui, size, stride, edge, num_shards, unique_capacity, entry_capacity,
+        samples.data<int32_t>(), weighted ? weights.data<float>() : nullptr,
+        distinct.data<int64_t>(), words.data<uint64_t>(), keep.data<uint8_t>(),
+        out_samples.data<int32_t>(), weighted ? out_weights.data<float>() : nullptr,
+        out_index.data<int32_t>(), out_distinct.data<int64_t>(), counts.data<int64_t>(),
+        unique_counts.data<int64_t>());
+  };
+  using Yes = std::true_type;
+  using No = std::false_type;
+  if (num_shards == 1) {
+    count = weighted ? run(Yes{}, Yes{}) : run(Yes{}, No{});
+  } else {
+    count = weighted ? run(No{}, Yes{}) : run(No{}, No{});
   }
   Py_END_ALLOW_THREADS;
-  return PyLong_FromSsize_t(total);
+  return PyLong_FromSsize_t(count);
 }
 
 PyMethodDef kMethods[] = {
     {"fill_keys", fill_keys, METH_VARARGS, "Keys and samples of consecutive samples' ids."},
     {"merge_samples", merge_samples, METH_VARARGS,
      "Stable sort of every sample's keys, then its entries; returns the repeats."},
-    {"drop_entries", drop_entries, METH_VARARGS,
-     "The entries kept by the overflow rules, and the rows they keep alive."},
-    {"kept_unique_index", kept_unique_index, METH_VARARGS,
-     "Unique indices n * U + u' of the kept entries, u' the rank among alive rows."},
+    {"drop_device", drop_device, METH_VARARGS,
+     "One device's entries kept by the overflow rules, compacted, and its kept rows."},
     {"rank_rows", rank_rows, METH_VARARGS,
      "Ascending distinct rows and every row's rank among them, via a bit map."},
     {nullptr, nullptr, 0, nullptr},

@@ -13,8 +13,10 @@ a sort, a scatter or extra temporaries:
   rank_rows       `_partition`: a device's ascending distinct rows and every
                   entry's rank among them, from a bit map that stays in the
                   cache (numpy: a byte map, then a [V_s] table of ranks)
-  drop_entries    `_partition._drop_mask`: the overflow rules (a) and (b) in
-                  one pass over the entries, and the rows left alive
+  drop_device     `_partition._drop`: the overflow rules (a) and (b) in one
+                  pass over a device's entries (a bit map of the kept rows),
+                  which also compacts the kept entries' samples and weights;
+                  then their new unique indices and the kept rows from the map
 
 They release the GIL while they loop, so preprocessing threads (e.g. a
 prefetching input pipeline) run them concurrently with the training step.

@@ -27,9 +27,10 @@ partition (device g, shard n). Steps, after `_dedup.merge`:
    The result is exactly the batch without the dropped ids: combiner factors
    are recomputed over the kept ids, and rows left without entries are not
    requested. Statistics always describe the batch before dropping. The
-   kept entries come from linear passes without a sort (`_drop_mask`) and
-   the kept rows' unique indices from step 2's result (`_kept_rows`), so dropping
-   costs a fraction of the rest of the step.
+   kept entries come from linear passes without a sort and the kept rows'
+   unique indices from step 2's result (`_drop`); the C++ loops do both in
+   one kernel call per device, so dropping costs little next to the rest of
+   the step.
 4. Write the buffers of `_batch.StackBatch`.
 """
 
@@ -251,15 +252,8 @@ def _number_rows(located: _Rows, bounds, n_count: int) -> _Numbered:
   return _Numbered(ids, parts, offsets)
 
 
-class _Kept(NamedTuple):
-  """Step 3's result: the kept entries, and the rows that keep any (or None)."""
-
-  keep: np.ndarray  # bool [n_e] (scratch)
-  alive: np.ndarray | None  # bool [rows numbered by `_number_rows`] (scratch), or None
-
-
-def _drop_mask(rows: _Numbered, capacity: StackCapacity) -> _Kept:
-  """Step 3: the entries kept by rules (a) and (b) (and with the C++ loops, the rows kept).
+def _drop_mask(rows: _Numbered, capacity: StackCapacity) -> np.ndarray:
+  """Step 3 (numpy): bool [n_e] (scratch), the entries kept by rules (a) and (b).
 
   Entries come in (sample, row) order. Linear passes, no sort of the
   entries: the first entry of every row is the minimum entry index over its
@@ -271,13 +265,6 @@ def _drop_mask(rows: _Numbered, capacity: StackCapacity) -> _Kept:
   """
   ids, parts = rows.ids, rows.parts
   num_parts, size = rows.offsets.size - 1, ids.size
-  kernels = _native.host_kernels()
-  if kernels is not None:  # one pass: rule (a) at a row's first entry, then rule (b)
-    keep = scratch("drop_keep", size, np.bool_)
-    alive = scratch("drop_alive", int(rows.offsets[-1]), np.bool_)
-    kernels.drop_entries(ids, parts, num_parts, capacity.max_unique_ids_per_partition,
-                         capacity.max_ids_per_partition, keep, alive)
-    return _Kept(keep, alive)
   index = arange32(size) if size < 2**31 else np.arange(size)
   first = scratch("drop_first", int(rows.offsets[-1]), index.dtype)
   first.fill(size)
@@ -297,12 +284,12 @@ def _drop_mask(rows: _Numbered, capacity: StackCapacity) -> _Kept:
   if (last_entry < size).any():
     in_first = np.less_equal(index, per_entry(last_entry), out=scratch("drop_in", size, np.bool_))
     np.logical_and(keep, in_first, out=keep)
-  return _Kept(keep, None)
+  return keep
 
 
-def _kept_rows(located: _Rows, rows: _Numbered, kept_entries: _Kept, n_count: int,
+def _kept_rows(located: _Rows, rows: _Numbered, keep: np.ndarray, n_count: int,
                unique_capacity: int) -> _Rows:
-  """Step 2 for the entries kept by `keep`, from `located` (before dropping).
+  """Step 2 (numpy) for the entries kept by `keep`, from `located` (before dropping).
 
   A row stays when any of its entries does; its new rank u' counts the rows
   that stay before it in its partition, so a kept entry's unique index becomes
@@ -311,25 +298,13 @@ def _kept_rows(located: _Rows, rows: _Numbered, kept_entries: _Kept, n_count: in
   g_count = located.edges.shape[0]
   offsets = rows.offsets
   num_parts, num_rows = offsets.size - 1, int(offsets[-1])
-  keep, alive = kept_entries
   dtype = np.int32 if max(n_count * unique_capacity, num_rows) < 2**31 else np.int64
-  kernels = _native.host_kernels()
-  if (kernels is not None and alive is not None and dtype == np.int32
-      and (n_count - 1) * unique_capacity + num_rows < 2**31):  # the kernel's int32 bound
-    unique_index = scratch("drop_unique_index", keep.size, dtype)
-    alive_counts = np.empty(num_parts, np.int64)
-    unique_index = unique_index[:kernels.kept_unique_index(
-        rows.ids, keep, alive, offsets, n_count, unique_capacity,
-        scratch("drop_unique_of", num_rows, dtype), unique_index, alive_counts)]
-    unique_counts = alive_counts.reshape(g_count, n_count)
-  else:
-    kept = rows.ids[keep]
-    if alive is None:
-      alive = scratch("drop_alive", num_rows, np.bool_)
-      alive.fill(False)
-      alive[kept] = True
-    unique_index, unique_counts = _kept_unique_index(rows, kept, alive, n_count,
-                                                     unique_capacity, dtype)
+  kept = rows.ids[keep]
+  alive = scratch("drop_alive", num_rows, np.bool_)
+  alive.fill(False)
+  alive[kept] = True
+  unique_index, unique_counts = _kept_unique_index(rows, kept, alive, n_count, unique_capacity,
+                                                   dtype)
   distinct = [
       located.distinct[g][alive[offsets[g * n_count]:offsets[(g + 1) * n_count]]]
       for g in range(g_count)
@@ -341,6 +316,81 @@ def _kept_rows(located: _Rows, rows: _Numbered, kept_entries: _Kept, n_count: in
   else:
     counts = np.bincount(rows.parts[keep], minlength=num_parts).reshape(g_count, n_count)
   return _Rows(distinct, edges, counts, unique_index, unique_capacity)
+
+
+class _Dropped(NamedTuple):
+  """Step 3's result: the kept entries, and step 2 for them."""
+
+  keep: np.ndarray  # bool [n_e]: the entries kept (scratch)
+  samples: np.ndarray  # int32 [k]: the kept entries' samples, ascending
+  weights: np.ndarray | None  # float32 [k]: their weights, or None (all ones)
+  bounds: np.ndarray  # [G + 1]: device g's kept entries are [bounds[g], bounds[g + 1])
+  located: _Rows  # the kept entries' rows; stride U
+
+
+def _drop(samples: np.ndarray, entry_weights: np.ndarray | None, bounds, located: _Rows,
+          capacity: StackCapacity, n_count: int, local_batch: int) -> _Dropped:
+  """Step 3: the entries kept by rules (a) and (b), compacted, and their rows.
+
+  With the C++ loops one kernel call per device (`_drop_native`), else
+  numpy (`_drop_mask`, `_kept_rows`); both give the same arrays.
+  """
+  u_cap = capacity.max_unique_ids_per_partition
+  kernels = _native.host_kernels()
+  if (kernels is not None and located.unique_index.dtype == np.int32
+      and n_count * u_cap < 2**31):  # the kernel's int32 bounds
+    return _drop_native(kernels, samples, entry_weights, bounds, located, capacity, n_count)
+  numbered = _number_rows(located, bounds, n_count)
+  keep = _drop_mask(numbered, capacity)
+  kept_samples = samples[keep]
+  return _Dropped(
+      keep, kept_samples, None if entry_weights is None else entry_weights[keep],
+      _device_bounds(kept_samples, len(bounds) - 1, local_batch),
+      _kept_rows(located, numbered, keep, n_count, u_cap),
+  )
+
+
+def _drop_native(kernels, samples, entry_weights, bounds, located: _Rows,
+                 capacity: StackCapacity, n_count: int) -> _Dropped:
+  """`_drop` with the C++ loops: `drop_device` (see `_native`) for every device.
+
+  Device g's kept entries go right after those of devices 0 ... g - 1 (never
+  past its own entries), its kept rows likewise after theirs.
+  """
+  g_count, size = len(bounds) - 1, samples.size
+  sizes = [d.size for d in located.distinct]
+  keep = scratch("drop_keep", size, np.bool_)
+  kept_samples = scratch("drop_samples", size, np.int32)
+  kept_weights = None if entry_weights is None else scratch("drop_weights", size, np.float32)
+  unique_index = scratch("drop_unique_index", size, np.int32)
+  rows = scratch("drop_distinct", sum(sizes), np.int64)
+  words = scratch("drop_words", max(sizes) // 64 + 1, np.uint64)
+  counts = np.empty((g_count, n_count), np.int64)
+  unique_counts = np.empty((g_count, n_count), np.int64)
+  kept_bounds = np.zeros(g_count + 1, np.int64)
+  distinct = []
+  row_at = 0
+  for g in range(g_count):
+    lo, hi, at = int(bounds[g]), int(bounds[g + 1]), int(kept_bounds[g])
+    out = slice(at, at + hi - lo)
+    device_rows = rows[row_at:row_at + sizes[g]]
+    kept = kernels.drop_device(
+        located.unique_index[lo:hi], located.stride, located.edges[g],
+        capacity.max_unique_ids_per_partition, capacity.max_ids_per_partition, samples[lo:hi],
+        None if entry_weights is None else entry_weights[lo:hi], located.distinct[g], words,
+        keep[lo:hi], kept_samples[out], None if kept_weights is None else kept_weights[out],
+        unique_index[out], device_rows, counts[g], unique_counts[g])
+    kept_bounds[g + 1] = at + kept
+    distinct.append(device_rows[:int(unique_counts[g].sum())])
+    row_at += sizes[g]
+  total = int(kept_bounds[-1])
+  edges = np.zeros((g_count, n_count + 1), np.int64)
+  np.cumsum(unique_counts, axis=1, out=edges[:, 1:])
+  return _Dropped(
+      keep, kept_samples[:total], None if kept_weights is None else kept_weights[:total],
+      kept_bounds,
+      _Rows(distinct, edges, counts, unique_index[:total], capacity.max_unique_ids_per_partition),
+  )
 
 
 def _kept_unique_index(rows: _Numbered, kept: np.ndarray, alive: np.ndarray, n_count: int,
@@ -497,25 +547,16 @@ def partition_stack(
       squared = weights if combiner == "mean" else np.square(weights, dtype=np.float64)
       denominators = np.bincount(owners, squared, minlength=total)
   else:
-    numbered = _number_rows(located, bounds, n_count)
-    kept_entries = _drop_mask(numbered, capacity)
-    keep = kept_entries.keep
-    ids = merged.entry_sum(None, "drop_multiplicity")  # ids per entry; None: 1 each
-    kept_ids = (np.count_nonzero(keep) if ids is None
-                else int(np.sum(ids, where=keep, dtype=np.float64)))
-    stats = dataclasses.replace(stats, num_dropped_ids=int(merged.num_ids - kept_ids))
-    samples = samples[keep]
-    kept_weights = None if entry_weights is None else entry_weights[keep]
+    keep, samples, entry_weights, bounds, located = _drop(
+        samples, entry_weights, bounds, located, capacity, n_count, local_batch)
+    stats = dataclasses.replace(stats, num_dropped_ids=merged.num_ids - merged.kept_ids(keep))
     if combiner == "sum":
       denominators = lengths  # unused: 'sum' has no factor
     else:
       mass = (merged.entry_sum(np.square(weights, dtype=np.float64))[keep]
-              if combiner == "sqrtn" and weights is not None else kept_weights)
+              if combiner == "sqrtn" and weights is not None else entry_weights)
       denominators = np.bincount(samples, mass, minlength=total)
-    entry_weights = kept_weights
     owners, masses = samples, entry_weights
-    bounds = _device_bounds(samples, g_count, local_batch)
-    located = _kept_rows(located, numbered, kept_entries, n_count, u_cap)
   if sequence_samples is not None and combiner != "sum":
     denominators = np.where(sequence_samples, 1, denominators)
   factor = _factors(combiner, denominators, owners, masses, describe_sample)

@@ -672,7 +672,7 @@ def drop_mask(row_ids, stride, num_parts, capacity):
   """`_drop_mask` of rows numbered p * stride + u in partition p (a copy)."""
   parts = None if num_parts == 1 else row_ids // stride
   offsets = np.arange(num_parts + 1) * stride
-  return _drop_mask(_Numbered(row_ids, parts, offsets), capacity).keep.copy()
+  return _drop_mask(_Numbered(row_ids, parts, offsets), capacity).copy()
 
 
 def reference_drop_mask(row_ids, stride, capacity):

@@ -96,46 +96,92 @@ def reference_drop(ids, parts, unique_capacity, entry_capacity):
   return np.array(keep, np.bool_), alive
 
 
-@pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("num_parts", [1, 3])
-def test_drop_entries_follow_the_overflow_rules(seed, num_parts):
+def drop_device(unique_index, stride, edges, capacity, samples, weights, distinct):
+  """kernels.drop_device on fresh, garbage-filled outputs: (count, outputs...)."""
+  size, num_rows, n_count = unique_index.size, int(edges[-1]), edges.size - 1
+  keep = np.full(size, 7, np.uint8).view(np.bool_)
+  out_samples, out_index = np.full(size, -9, np.int32), np.full(size, -9, np.int32)
+  out_weights = None if weights is None else np.full(size, np.nan, np.float32)
+  out_distinct = np.full(num_rows, -9, np.int64)
+  words = np.full(num_rows // 64 + 3, 0xDEADBEEF, np.uint64)  # stale content is fine
+  counts, unique_counts = np.full(n_count, -9, np.int64), np.full(n_count, -9, np.int64)
+  count = kernels.drop_device(unique_index, stride, edges, capacity.max_unique_ids_per_partition,
+                              capacity.max_ids_per_partition, samples, weights, distinct, words,
+                              keep, out_samples, out_weights, out_index, out_distinct, counts,
+                              unique_counts)
+  return count, keep, out_samples, out_weights, out_index, out_distinct, counts, unique_counts
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n_count=st.integers(1, 4), size=st.integers(0, 400),
+       max_rows=st.integers(1, 70), entries=st.integers(0, 200), rows=st.integers(0, 60),
+       weighted=st.booleans(), extra_stride=st.integers(0, 5))
+def test_drop_device_follows_the_overflow_rules(seed, n_count, size, max_rows, entries, rows,
+                                                weighted, extra_stride):
+  """Against the rules by a loop: the kept entries (compacted), their unique
+  indices n * U + u' among the kept rows of their shard, and the kept rows.
+  Limits from 0 (nothing kept) to above the batch (nothing dropped)."""
   rng = np.random.default_rng(seed)
-  size, rows_per_part = 400, int(rng.integers(1, 60))
-  parts = np.sort(rng.integers(0, num_parts, size)) if seed % 2 else rng.integers(0, num_parts, size)
-  ids = parts * rows_per_part + rng.integers(0, rows_per_part, size)  # rows numbered per part
-  unique_capacity, entry_capacity = int(rng.integers(0, 40)), int(rng.integers(0, 200))
-  keep = np.empty(size, np.bool_)
-  alive = np.empty(num_parts * rows_per_part, np.bool_)
-  count = kernels.drop_entries(ids, None if num_parts == 1 else parts, num_parts,
-                               unique_capacity, entry_capacity, keep, alive)
-  want_keep, want_alive = reference_drop(ids, parts, unique_capacity, entry_capacity)
+  sizes = rng.integers(0, max_rows + 1, n_count)
+  size = size if sizes.any() else 0
+  edges = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+  stride = int(sizes.max(initial=0)) + extra_stride or 1
+  distinct = np.sort(rng.choice(10 * int(edges[-1]) + 1, int(edges[-1]), replace=False))
+  shards = rng.choice(np.flatnonzero(sizes), size) if sizes.any() else np.zeros(0, np.int64)
+  u = np.array([rng.integers(0, sizes[n]) for n in shards], np.int64)
+  unique_index = (shards * stride + u).astype(np.int32)
+  samples = np.sort(rng.integers(0, 50, size)).astype(np.int32)
+  weights = rng.uniform(-2, 2, size).astype(np.float32) if weighted else None
+  capacity = StackCapacity(entries, rows)
+  got = drop_device(unique_index, stride, edges, capacity, samples, weights, distinct)
+  count, keep, out_samples, out_weights, out_index, out_distinct, counts, unique_counts = got
+
+  numbered = edges[shards] + u  # the rows of all shards one after the other
+  want_keep, alive = reference_drop(numbered, shards, rows, entries)
   assert_same_bits(keep, want_keep)
   assert count == want_keep.sum()
-  assert set(np.flatnonzero(alive).tolist()) == want_alive
+  assert_same_bits(out_samples[:count], samples[want_keep])
+  if weighted:
+    assert_same_bits(out_weights[:count], weights[want_keep])
+  alive_rows = np.zeros(int(edges[-1]), np.bool_)
+  alive_rows[list(alive)] = True
+  shard_of = np.repeat(np.arange(n_count), sizes)
+  before = np.array([np.count_nonzero(alive_rows[edges[n]:j]) for n, j in
+                     zip(shard_of, range(int(edges[-1])))], np.int64)
+  new_index = shard_of * rows + before
+  assert_same_bits(out_index[:count], new_index[numbered[want_keep]].astype(np.int32))
+  kept_rows = int(unique_counts.sum())
+  assert_same_bits(out_distinct[:kept_rows], distinct[alive_rows])
+  assert_same_bits(counts, np.bincount(shards[want_keep], minlength=n_count).astype(np.int64))
+  assert_same_bits(unique_counts, np.array(
+      [np.count_nonzero(alive_rows[edges[n]:edges[n + 1]]) for n in range(n_count)], np.int64))
 
 
-@pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("num_parts,num_shards", [(1, 1), (4, 2), (6, 3)])
-def test_kept_unique_index_ranks_the_alive_rows_per_partition(seed, num_parts, num_shards):
+@pytest.mark.parametrize("seed", range(3))
+def test_drop_device_large_one_shard(seed):
+  """Long runs copied as blocks, then entry by entry once a limit is near."""
   rng = np.random.default_rng(seed)
-  sizes = rng.integers(0, 50, num_parts)
-  offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-  num_rows, unique_capacity = int(offsets[-1]), 64
-  alive = rng.random(num_rows) < 0.6
-  ids = rng.integers(0, max(num_rows, 1), 500 if num_rows else 0)
-  keep = alive[ids] & (rng.random(ids.size) < 0.8)
-  unique_of = np.empty(num_rows, np.int32)
-  out = np.full(ids.size, -1, np.int32)
-  counts = np.empty(num_parts, np.int64)
-  count = kernels.kept_unique_index(ids, keep, alive, offsets, num_shards, unique_capacity,
-                                    unique_of, out, counts)
-  part = np.repeat(np.arange(num_parts), sizes)
-  before = np.array([np.count_nonzero(alive[offsets[p]:j]) for p, j in zip(part, range(num_rows))])
-  want = (part % num_shards * unique_capacity + before).astype(np.int32)
-  assert_same_bits(unique_of, want)
-  assert_same_bits(out[:count], want[ids[keep]])
-  assert_same_bits(counts, np.array([np.count_nonzero(alive[offsets[p]:offsets[p + 1]])
-                                    for p in range(num_parts)], np.int64))
+  size, num_rows = 50_000, 20_000
+  rows = rng.integers(0, num_rows, size)
+  distinct, unique_index = np.unique(rows, return_inverse=True)
+  unique_index = unique_index.astype(np.int32)
+  edges = np.array([0, distinct.size], np.int64)
+  samples = np.sort(rng.integers(0, 5_000, size)).astype(np.int32)
+  for entries, rows_cap in [(size, distinct.size), (size - 100, distinct.size - 300),
+                            (30_000, distinct.size), (size, 9_000)]:
+    capacity = StackCapacity(entries, rows_cap)
+    count, keep, out_samples, _, out_index, out_distinct, counts, unique_counts = drop_device(
+        unique_index, distinct.size, edges, capacity, samples, None, distinct)
+    want_keep, alive = reference_drop(unique_index.astype(np.int64), np.zeros(size, np.int64),
+                                      rows_cap, entries)
+    assert_same_bits(keep, want_keep)
+    assert_same_bits(out_samples[:count], samples[want_keep])
+    alive_rows = np.zeros(distinct.size, np.bool_)
+    alive_rows[list(alive)] = True
+    rank = np.cumsum(alive_rows) - 1
+    assert_same_bits(out_index[:count], rank[unique_index[want_keep]].astype(np.int32))
+    assert_same_bits(out_distinct[:unique_counts[0]], distinct[alive_rows])
+    assert counts[0] == count == want_keep.sum()
 
 
 @pytest.mark.parametrize("num_shards,rows_per_shard,offset,rotation",
@@ -184,12 +230,19 @@ def test_bad_arguments_raise_instead_of_crashing():
   with pytest.raises(ValueError, match=r"words: at least \(size \+ 63\) / 64: expected 2, got 1"):
     kernels.rank_rows(np.array([0]), np.zeros(1, np.uint64), 65, np.empty(1, np.int64),
                       np.empty(1, np.int32))
-  with pytest.raises(ValueError, match=r"ids\[1\] = 4 is outside \[0, 4\)"):
-    kernels.drop_entries(np.array([0, 4]), None, 1, 1, 1, np.empty(2, np.bool_),
-                         np.empty(4, np.bool_))
-  with pytest.raises(ValueError, match=r"parts\[0\] = 2 is outside \[0, 2\)"):
-    kernels.drop_entries(np.array([0, 1]), np.array([2, 0]), 2, 1, 1, np.empty(2, np.bool_),
-                         np.empty(4, np.bool_))
+  edges = np.array([0, 3, 5], np.int64)
+  with pytest.raises(ValueError, match=r"unique_index\[1\] = 9 names no row of edges"):
+    drop_device(np.array([0, 9], np.int32), 4, edges, StackCapacity(1, 1),
+                np.zeros(2, np.int32), None, np.arange(5))
+  with pytest.raises(ValueError, match=r"unique_index\[0\] = 7 names no row"):  # shard 1, u 3
+    drop_device(np.array([7], np.int32), 4, edges, StackCapacity(1, 1), np.zeros(1, np.int32),
+                None, np.arange(5))
+  with pytest.raises(ValueError, match="edges must rise from 0 by at most stride = 2"):
+    drop_device(np.array([0], np.int32), 2, edges, StackCapacity(1, 1), np.zeros(1, np.int32),
+                None, np.arange(5))
+  with pytest.raises(ValueError, match="distinct: edges"):
+    drop_device(np.array([0], np.int32), 4, edges, StackCapacity(1, 1), np.zeros(1, np.int32),
+                None, np.arange(4))
   with pytest.raises(ValueError, match="rotation"):
     kernels.fill_keys(keys, np.empty(10, np.int32), keys, lengths, 0, 100, 4, 25, 0, 4)
 
