@@ -34,6 +34,17 @@
 //       out_distinct[:sum(unique_counts)], ascending; counts[n] / unique_counts[n]:
 //       shard n's kept entries / rows. `words` (uint64, any content on entry):
 //       the bit map of kept rows.
+//   rank_kept_rows(rows, out_rows, samples, out_samples, weights | None, out_weights | None,
+//                  words, V, R, U, C, keep, distinct, ranks, all_counts, unique_counts)
+//       -> (k, d)
+//       rank_rows and drop_device in one: one device's entries e (rows[e] in
+//       [0, V), shard rows[e] / R of the len(all_counts) shards) in (sample,
+//       row) order; keep[e] as in drop_device. The k kept entries' rows,
+//       samples and weights go to out_*[:k] in order (each output may overlap
+//       its input at or before it); distinct[:d] = the kept rows ascending,
+//       ranks[:k] = their ranks among them. Before dropping, shard n had
+//       all_counts[n] entries and unique_counts[n] distinct rows. `words`:
+//       two bit maps over [0, V) (uint64, any content on entry).
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -528,10 +539,11 @@ Py_ssize_t FirstBadIndex(const int32_t* index, Py_ssize_t size, int64_t stride,
 constexpr int64_t kMinDropRun = 64;
 
 // Marks rows[0, count) in the bit map; returns how many were not marked yet.
-int64_t MarkRows(const int32_t* rows, int64_t count, uint64_t* word) {
+template <typename Row>
+int64_t MarkRows(const Row* rows, int64_t count, uint64_t* word) {
   int64_t fresh = 0;
   for (int64_t i = 0; i < count; ++i) {
-    const uint32_t row = static_cast<uint32_t>(rows[i]);
+    const uint64_t row = static_cast<uint64_t>(rows[i]);
     const uint64_t bit = uint64_t{1} << (row & 63);
     const uint64_t bits = word[row >> 6];
     fresh += (bits & bit) == 0;
@@ -540,44 +552,61 @@ int64_t MarkRows(const int32_t* rows, int64_t count, uint64_t* word) {
   return fresh;
 }
 
-// Pass 1 of drop_device: the overflow rules in one pass, rows marked in a
-// bit map as their first entry is kept (a row is marked iff it keeps an
-// entry: its first entry decides rule (a), and once its partition took C
-// entries nothing more is kept). Kept entries' samples, weights and unique
-// indices are written compactly (branch-free: overwritten unless kept); the
-// counters of a single shard are plain locals so they stay in registers.
-template <bool kOneShard, bool kWeights>
-Py_ssize_t DropPass(const int32_t* index, Py_ssize_t size, int64_t stride, const int64_t* edge,
-                    int64_t num_shards, int64_t unique_capacity, int64_t entry_capacity,
-                    const int32_t* sample, const float* weight, uint64_t* word, uint8_t* kept,
-                    int32_t* out_sample, float* out_weight, int32_t* out_index,
-                    int64_t* counts) {
+// Where DropPass writes: the kept entries' samples, weights (kWeights) and
+// Index values, compactly from 0. Each may overlap its input at or before it
+// (entry e goes to w <= e, read before written).
+template <typename Index>
+struct DropOutput {
+  int32_t* sample;
+  float* weight;
+  Index* index;
+};
+
+// Pass 1 of drop_device and rank_kept_rows: the overflow rules in one pass
+// over the entries, `locate(index[e])` giving the entry's shard and its row in
+// the bit map `word`. A row is marked as its first entry is kept; a row is
+// marked iff it keeps an entry (its first entry decides rule (a), and once
+// its shard took C entries nothing more is kept). Kept entries are written
+// to `out` compactly (branch-free: overwritten unless kept); the counters of a
+// single shard are plain locals so they stay in registers. counts[n]: shard
+// n's kept entries. With `late` (a zeroed bit map): it marks the rows that
+// keep no entry, so the rows of a shard before dropping are its marks in
+// both maps; with `all_counts`: shard n's entries before dropping.
+template <bool kOneShard, bool kWeights, typename Index, typename Locate>
+Py_ssize_t DropPass(const Index* index, Py_ssize_t size, const Locate& locate, int64_t num_shards,
+                    int64_t unique_capacity, int64_t entry_capacity, const int32_t* sample,
+                    const float* weight, uint64_t* word, uint64_t* late, uint8_t* kept,
+                    DropOutput<Index> out, int64_t* counts, int64_t* all_counts) {
   std::vector<int64_t> rows_seen(kOneShard ? 0 : num_shards, 0);
   int64_t one_seen = 0, one_kept = 0;
   if (!kOneShard) std::fill(counts, counts + num_shards, 0);
+  if (all_counts) std::fill(all_counts, all_counts + num_shards, 0);
   Py_ssize_t w = 0, e = 0;
   if constexpr (kOneShard) {
     // Leading runs that no limit can cut: with s rows seen and k entries
     // kept, the next min(U - s, C - k) entries are all kept (each adds at
-    // most one row), so they are copied and their rows marked without the
-    // per-entry decisions. Nothing is dropped before, so w = e.
+    // most one row), so their rows are marked without per-entry decisions
+    // and they stay where they are. Nothing is dropped before, so w = e.
     for (;;) {
       const int64_t run = std::min({unique_capacity - one_seen, entry_capacity - one_kept,
                                     static_cast<int64_t>(size - e)});
       if (run <= 0 || (run < kMinDropRun && run < size - e)) break;
       one_seen += MarkRows(index + e, run, word);
-      std::memcpy(out_sample + e, sample + e, run * sizeof(int32_t));
-      if constexpr (kWeights) std::memcpy(out_weight + e, weight + e, run * sizeof(float));
-      std::memcpy(out_index + e, index + e, run * sizeof(int32_t));
+      if (out.sample != sample) std::memmove(out.sample + e, sample + e, run * sizeof(int32_t));
+      if constexpr (kWeights) {
+        if (out.weight != weight) std::memmove(out.weight + e, weight + e, run * sizeof(float));
+      }
+      if (out.index != index) std::memmove(out.index + e, index + e, run * sizeof(Index));
       std::memset(kept + e, 1, run);
       one_kept += run;
       e += run;
     }
     w = e;
+    if (all_counts) all_counts[0] = size;
   }
   for (; e < size; ++e) {
-    const int32_t v = index[e];
-    const Located at = Locate<kOneShard>(v, stride, edge);
+    const Index v = index[e];
+    const Located at = locate(v);
     const int64_t seen = kOneShard ? one_seen : rows_seen[at.shard];
     const int64_t taken = kOneShard ? one_kept : counts[at.shard];
     const uint64_t bit = uint64_t{1} << (at.row & 63);
@@ -586,17 +615,19 @@ Py_ssize_t DropPass(const int32_t* index, Py_ssize_t size, int64_t stride, const
     const bool take = (marked | (seen < unique_capacity)) & (taken < entry_capacity);
     const bool mark = take & !marked;
     word[at.row >> 6] = bits | (bit & (uint64_t{0} - mark));
+    if (late) late[at.row >> 6] |= bit & (uint64_t{0} - !(take | marked));
     if constexpr (kOneShard) {
       one_seen += mark;
       one_kept += take;
     } else {
       rows_seen[at.shard] += mark;
       counts[at.shard] += take;
+      if (all_counts) ++all_counts[at.shard];
     }
     kept[e] = take;
-    out_sample[w] = sample[e];
-    if constexpr (kWeights) out_weight[w] = weight[e];
-    out_index[w] = v;
+    out.sample[w] = sample[e];
+    if constexpr (kWeights) out.weight[w] = weight[e];
+    out.index[w] = v;
     w += take;
   }
   if (kOneShard) counts[0] = one_kept;
@@ -651,9 +682,10 @@ Py_ssize_t DropDevice(const int32_t* index, Py_ssize_t size, int64_t stride, con
   const int64_t num_rows = edge[num_shards];
   const Py_ssize_t num_words = static_cast<Py_ssize_t>(num_rows / 64 + 1);
   std::memset(word, 0, num_words * sizeof(uint64_t));
+  const auto locate = [stride, edge](int32_t v) { return Locate<kOneShard>(v, stride, edge); };
   const Py_ssize_t count = DropPass<kOneShard, kWeights>(
-      index, size, stride, edge, num_shards, unique_capacity, entry_capacity, sample, weight,
-      word, kept, out_sample, out_weight, out_index, counts);
+      index, size, locate, num_shards, unique_capacity, entry_capacity, sample, weight, word,
+      nullptr, kept, DropOutput<int32_t>{out_sample, out_weight, out_index}, counts, nullptr);
   // Pass 2, over the bit map: marked rows before every word, the marked rows'
   // global rows in order, and every shard's marked rows.
   std::vector<int32_t> before(num_words);
@@ -791,12 +823,156 @@ PyObject* drop_device(PyObject*, PyObject* args) {
   return PyLong_FromSsize_t(count);
 }
 
+// ---------------------------------------------------------------- rank_kept_rows
+
+// Marks of `word` or `late` over the rows [lo, hi).
+int64_t CountMarks(const uint64_t* word, const uint64_t* late, int64_t lo, int64_t hi) {
+  int64_t total = 0;
+  for (int64_t row = lo; row < hi;) {
+    const int64_t w = row >> 6, end = std::min(hi, (w + 1) * 64);
+    uint64_t mask = ~uint64_t{0} << (row & 63);
+    if (end < (w + 1) * 64) mask &= (uint64_t{1} << (end & 63)) - 1;
+    total += __builtin_popcountll((word[w] | late[w]) & mask);
+    row = end;
+  }
+  return total;
+}
+
+PyObject* rank_kept_rows(PyObject*, PyObject* args) {
+  PyObject *rows_object, *out_rows_object, *samples_object, *out_samples_object,
+      *weights_object, *out_weights_object, *words_object, *keep_object, *distinct_object,
+      *ranks_object, *all_counts_object, *unique_counts_object;
+  long long size, rows_per_shard, unique_capacity, entry_capacity;
+  if (!PyArg_ParseTuple(args, "OOOOOOOLLLLOOOOO", &rows_object, &out_rows_object,
+                        &samples_object, &out_samples_object, &weights_object,
+                        &out_weights_object, &words_object, &size, &rows_per_shard,
+                        &unique_capacity, &entry_capacity, &keep_object, &distinct_object,
+                        &ranks_object, &all_counts_object, &unique_counts_object)) {
+    return nullptr;
+  }
+  const bool weighted = weights_object != Py_None;
+  if (weighted != (out_weights_object != Py_None)) {
+    PyErr_SetString(PyExc_ValueError, "weights and out_weights: both arrays or both None");
+    return nullptr;
+  }
+  Array rows, out_rows, samples, out_samples, weights, out_weights, words, keep, distinct, ranks,
+      all_counts, unique_counts;
+  if (!rows.Take(rows_object, "rows", 8, false) ||
+      !out_rows.Take(out_rows_object, "out_rows", 8, true) ||
+      !samples.Take(samples_object, "samples", 4, false) ||
+      !out_samples.Take(out_samples_object, "out_samples", 4, true) ||
+      (weighted && !weights.Take(weights_object, "weights", 4, false)) ||
+      (weighted && !out_weights.Take(out_weights_object, "out_weights", 4, true)) ||
+      !words.Take(words_object, "words", 8, true) || !keep.Take(keep_object, "keep", 1, true) ||
+      !distinct.Take(distinct_object, "distinct", 8, true) ||
+      !ranks.Take(ranks_object, "ranks", 4, true) ||
+      !all_counts.Take(all_counts_object, "all_counts", 8, true) ||
+      !unique_counts.Take(unique_counts_object, "unique_counts", 8, true)) {
+    return nullptr;
+  }
+  const Py_ssize_t count = rows.size();
+  const int64_t num_shards = all_counts.size();
+  if (num_shards < 1 || unique_counts.size() != num_shards || rows_per_shard < 1 ||
+      size < 0 || size > num_shards * rows_per_shard || unique_capacity < 0) {
+    PyErr_Format(PyExc_ValueError,
+                 "need len(all_counts) = len(unique_counts) >= 1 shards of rows_per_shard >= 1"
+                 " rows holding the size rows, and U >= 0; got %zd, %zd, %lld, %lld, %lld",
+                 all_counts.size(), unique_counts.size(), rows_per_shard, size,
+                 unique_capacity);
+    return nullptr;
+  }
+  if (count > std::numeric_limits<int32_t>::max()) {
+    PyErr_SetString(PyExc_ValueError, "more rows than int32 ranks");
+    return nullptr;
+  }
+  const Py_ssize_t num_words = static_cast<Py_ssize_t>(size / 64 + 1);
+  if (words.size() < 2 * num_words) {
+    return SizeError("words: at least 2 * (size / 64 + 1)", 2 * num_words, words.size()),
+           nullptr;
+  }
+  const std::pair<const Array*, const char*> per_entry[] = {
+      {&out_rows, "out_rows: len(rows)"}, {&samples, "samples: len(rows)"},
+      {&out_samples, "out_samples: len(rows)"}, {&keep, "keep: len(rows)"},
+      {&ranks, "ranks: len(rows)"}};
+  for (const auto& [array, name] : per_entry) {
+    if (array->size() != count) return SizeError(name, count, array->size()), nullptr;
+  }
+  if (weighted && (weights.size() != count || out_weights.size() != count)) {
+    return SizeError("weights and out_weights: len(rows)", count,
+                     weights.size() != count ? weights.size() : out_weights.size()),
+           nullptr;
+  }
+  if (distinct.size() < std::min<Py_ssize_t>(count, size)) {
+    return SizeError("distinct: at least", std::min<Py_ssize_t>(count, size), distinct.size()),
+           nullptr;
+  }
+  const int64_t* row = rows.data<int64_t>();
+  const Py_ssize_t outside = FirstOutside(row, count, size);
+  if (outside >= 0) {
+    PyErr_Format(PyExc_ValueError, "rows[%zd] = %lld is outside [0, %lld)", outside,
+                 static_cast<long long>(row[outside]), size);
+    return nullptr;
+  }
+  uint64_t* word = words.data<uint64_t>();
+  uint64_t* late = word + num_words;
+  int64_t* out = out_rows.data<int64_t>();
+  int32_t* rank = ranks.data<int32_t>();
+  int64_t* listed = distinct.data<int64_t>();
+  int64_t* all = all_counts.data<int64_t>();
+  int64_t* unique = unique_counts.data<int64_t>();
+  Py_ssize_t kept = 0, found = 0;
+  Py_BEGIN_ALLOW_THREADS;
+  std::memset(word, 0, 2 * num_words * sizeof(uint64_t));
+  std::vector<int64_t> counts(num_shards);
+  auto run = [&](auto one_shard, auto with_weights, const auto& locate) {
+    return DropPass<decltype(one_shard)::value, decltype(with_weights)::value>(
+        row, count, locate, num_shards, unique_capacity, entry_capacity,
+        samples.data<int32_t>(), weighted ? weights.data<float>() : nullptr, word, late,
+        keep.data<uint8_t>(),
+        DropOutput<int64_t>{out_samples.data<int32_t>(),
+                            weighted ? out_weights.data<float>() : nullptr, out},
+        counts.data(), all);
+  };
+  const auto one = [](int64_t r) { return Located{0, r}; };
+  const uint64_t r = static_cast<uint64_t>(rows_per_shard);
+  const auto many = [r](int64_t v) {
+    return Located{static_cast<int64_t>(static_cast<uint64_t>(v) / r), v};
+  };
+  using Yes = std::true_type;
+  using No = std::false_type;
+  if (num_shards == 1) {
+    kept = weighted ? run(Yes{}, Yes{}, one) : run(Yes{}, No{}, one);
+  } else {
+    kept = weighted ? run(No{}, Yes{}, many) : run(No{}, No{}, many);
+  }
+  // As rank_rows, over the kept rows: they ascending, then their ranks.
+  std::vector<int32_t> before(num_words);
+  for (Py_ssize_t w = 0; w < num_words; ++w) {
+    before[w] = static_cast<int32_t>(found);
+    for (uint64_t bits = word[w]; bits; bits &= bits - 1) {
+      listed[found++] = w * 64 + __builtin_ctzll(bits);
+    }
+  }
+  const int parts = NumParts(kept);
+  RunParts(parts, [&](int p) {
+    RanksAnyCpu(out, kept * p / parts, kept * (p + 1) / parts, word, before.data(), rank);
+  });
+  for (int64_t n = 0; n < num_shards; ++n) {
+    unique[n] = CountMarks(word, late, std::min<int64_t>(n * rows_per_shard, size),
+                           std::min<int64_t>((n + 1) * rows_per_shard, size));
+  }
+  Py_END_ALLOW_THREADS;
+  return Py_BuildValue("nn", kept, found);
+}
+
 PyMethodDef kMethods[] = {
     {"fill_keys", fill_keys, METH_VARARGS, "Keys and samples of consecutive samples' ids."},
     {"merge_samples", merge_samples, METH_VARARGS,
      "Stable sort of every sample's keys, then its entries; returns the repeats."},
     {"drop_device", drop_device, METH_VARARGS,
      "One device's entries kept by the overflow rules, compacted, and its kept rows."},
+    {"rank_kept_rows", rank_kept_rows, METH_VARARGS,
+     "rank_rows over the entries kept by the overflow rules, which it applies."},
     {"rank_rows", rank_rows, METH_VARARGS,
      "Ascending distinct rows and every row's rank among them, via a bit map."},
     {nullptr, nullptr, 0, nullptr},

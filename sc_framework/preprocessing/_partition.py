@@ -109,6 +109,13 @@ def _locate_rows(rows: np.ndarray, bounds, v_s: int, r: int, n_count: int,
   found = [_distinct(rows[bounds[g]:bounds[g + 1]], v_s, out[bounds[g]:bounds[g + 1]],
                      ranks[bounds[g]:bounds[g + 1]])
            for g in range(g_count)]
+  return _index_rows(found, rows, bounds, v_s, r, n_count, unique_capacity)
+
+
+def _index_rows(found: list[tuple[np.ndarray, np.ndarray | None]], rows: np.ndarray, bounds,
+                v_s: int, r: int, n_count: int, unique_capacity: int) -> _Rows:
+  """Step 2 from every device's (ascending distinct rows, ranks or None) (`_distinct`)."""
+  g_count = len(bounds) - 1
   shard_starts = np.arange(n_count + 1, dtype=np.int64) * r
   edges = np.stack([np.searchsorted(distinct, shard_starts) for distinct, _ in found])
   unique_counts = np.diff(edges, axis=1)
@@ -456,29 +463,91 @@ class _Partitioned(NamedTuple):
   stats: StackStats  # of the batch before any dropping
 
 
-def _partition(stack: StackLayout, stack_keys: StackKeys, num_devices: int,
-               capacity: StackCapacity) -> _Partitioned:
-  """Dedup and step 2 for the `num_devices` devices whose samples `stack_keys` hold."""
-  g_count, n_count, r = num_devices, stack.num_shards, stack.rows_per_shard
-  v_s, u_cap = stack.vocabulary_size, capacity.max_unique_ids_per_partition
+def _merge_stack(stack: StackLayout, stack_keys: StackKeys, num_devices: int):
+  """Dedup: (merged, entry samples, entry rows, device bounds of the entries)."""
   lengths = stack_keys.lengths
-  local_batch = lengths.size // g_count
+  merged = merge(stack_keys.keys, stack_keys.weights, stack_keys.samples, lengths,
+                 stack.vocabulary_size)
+  samples = merged.entry_samples
+  bounds = _device_bounds(samples, num_devices, lengths.size // num_devices)
+  return merged, samples, merged.entry_rows, bounds
 
-  merged = merge(stack_keys.keys, stack_keys.weights, stack_keys.samples, lengths, v_s)
-  samples, rows = merged.entry_samples, merged.entry_rows
-  bounds = _device_bounds(samples, g_count, local_batch)
-  located = _locate_rows(rows, bounds, v_s, r, n_count, u_cap)
-  unique_counts = np.diff(located.edges, axis=1)
-  stats = StackStats(
+
+def _stats(stack: StackLayout, merged: Merged, counts, unique_counts,
+           capacity: StackCapacity) -> StackStats:
+  """The statistics of a batch with these entries / distinct rows per partition."""
+  return StackStats(
       tables=stack.table_names,
-      max_ids_per_partition=int(located.counts.max(initial=0)),
+      max_ids_per_partition=int(counts.max(initial=0)),
       max_unique_ids_per_partition=int(unique_counts.max(initial=0)),
       num_ids=int(merged.num_ids),
-      num_entries=int(samples.size),
+      num_entries=int(merged.entry_samples.size),
       num_dropped_ids=0,
       capacity=capacity,
   )
+
+
+def _partition(stack: StackLayout, stack_keys: StackKeys, num_devices: int,
+               capacity: StackCapacity) -> _Partitioned:
+  """Dedup and step 2 for the `num_devices` devices whose samples `stack_keys` hold."""
+  merged, samples, rows, bounds = _merge_stack(stack, stack_keys, num_devices)
+  located = _locate_rows(rows, bounds, stack.vocabulary_size, stack.rows_per_shard,
+                         stack.num_shards, capacity.max_unique_ids_per_partition)
+  unique_counts = np.diff(located.edges, axis=1)
+  stats = _stats(stack, merged, located.counts, unique_counts, capacity)
   return _Partitioned(merged, samples, rows, bounds, located, unique_counts, stats)
+
+
+def _one_pass_drop(kernels, stack: StackLayout, bounds) -> bool:
+  """Whether `_locate_within_limits` applies: C++ loops, and every device's
+  distinct rows would come from the bit map (`_distinct`)."""
+  if kernels is None:
+    return False
+  sizes = np.diff(bounds)
+  return bool((sizes < 2**31).all() and (
+      stack.vocabulary_size <= np.maximum(_BITMAP_FACTOR * sizes, _BITMAP_MIN)).all())
+
+
+def _locate_within_limits(kernels, stack: StackLayout, samples: np.ndarray, rows: np.ndarray,
+                          entry_weights: np.ndarray | None, bounds, capacity: StackCapacity
+                          ) -> tuple[np.ndarray, np.ndarray, _Dropped]:
+  """Steps 2 and 3 in one C++ pass per device (`rank_kept_rows`, see `_native`).
+
+  Returns (entries [G, N], distinct rows [G, N] per partition before any
+  dropping, the kept entries): what `_locate_rows` and then `_drop` give. The
+  kept entries' rows and samples move to the front of `rows` and `samples`
+  (in place; nothing moves when nothing is dropped).
+  """
+  g_count, n_count = len(bounds) - 1, stack.num_shards
+  v_s, u_cap = stack.vocabulary_size, capacity.max_unique_ids_per_partition
+  size = rows.size
+  keep = scratch("drop_keep", size, np.bool_)
+  kept_weights = None if entry_weights is None else scratch("drop_weights", size, np.float32)
+  out = scratch("distinct", size, np.int64)
+  ranks = scratch("ranks", size, np.int32)
+  words = scratch("rank_words", 2 * (v_s // 64 + 1), np.uint64)
+  counts = np.empty((g_count, n_count), np.int64)
+  unique_counts = np.empty((g_count, n_count), np.int64)
+  kept_bounds = np.zeros(g_count + 1, np.int64)
+  found = []
+  for g in range(g_count):
+    lo, hi, at = int(bounds[g]), int(bounds[g + 1]), int(kept_bounds[g])
+    into = slice(at, at + hi - lo)
+    kept, distinct = kernels.rank_kept_rows(
+        rows[lo:hi], rows[into], samples[lo:hi], samples[into],
+        None if entry_weights is None else entry_weights[lo:hi],
+        None if kept_weights is None else kept_weights[into], words, v_s,
+        stack.rows_per_shard, u_cap, capacity.max_ids_per_partition, keep[lo:hi],
+        out[lo:hi], ranks[into], counts[g], unique_counts[g])
+    found.append((out[lo:lo + distinct], ranks[at:at + kept]))
+    kept_bounds[g + 1] = at + kept
+  total = int(kept_bounds[-1])
+  kept_rows = rows[:total]
+  located = _index_rows(found, kept_rows, kept_bounds, v_s, stack.rows_per_shard, n_count,
+                        u_cap)
+  return counts, unique_counts, _Dropped(
+      keep, samples[:total], None if kept_weights is None else kept_weights[:total],
+      kept_bounds, located)
 
 
 def partition_stats(stack: StackLayout, stack_keys: StackKeys, *, num_devices: int,
@@ -529,15 +598,23 @@ def partition_stack(
   total = lengths.size
   local_batch = total // g_count
 
-  merged, samples, rows, bounds, located, unique_counts, stats = _partition(
-      stack, stack_keys, num_devices, capacity)
+  kernels = _native.host_kernels()
+  merged, samples, rows, bounds = _merge_stack(stack, stack_keys, num_devices)
+  weights = merged.weights
+  entry_weights = merged.entry_sum(weights, "entry_weights")
+  if allow_id_dropping and _one_pass_drop(kernels, stack, bounds):
+    counts, unique_counts, dropped = _locate_within_limits(
+        kernels, stack, samples, rows, entry_weights, bounds, capacity)
+    located = dropped.located
+  else:
+    located = _locate_rows(rows, bounds, v_s, r, n_count, u_cap)
+    counts, unique_counts, dropped = located.counts, np.diff(located.edges, axis=1), None
+  stats = _stats(stack, merged, counts, unique_counts, capacity)
   overflow = (stats.max_ids_per_partition > capacity.max_ids_per_partition
               or stats.max_unique_ids_per_partition > u_cap)
   if overflow and not allow_id_dropping:
-    raise _overflow_error(stack, located.counts, unique_counts, capacity, first_device)
+    raise _overflow_error(stack, counts, unique_counts, capacity, first_device)
 
-  weights = merged.weights
-  entry_weights = merged.entry_sum(weights, "entry_weights")
   if not overflow:
     # Per sample, over its ids: sum w (mean) or sum w^2 (sqrtn).
     owners, masses = stack_keys.samples, weights
@@ -547,8 +624,9 @@ def partition_stack(
       squared = weights if combiner == "mean" else np.square(weights, dtype=np.float64)
       denominators = np.bincount(owners, squared, minlength=total)
   else:
-    keep, samples, entry_weights, bounds, located = _drop(
-        samples, entry_weights, bounds, located, capacity, n_count, local_batch)
+    if dropped is None:
+      dropped = _drop(samples, entry_weights, bounds, located, capacity, n_count, local_batch)
+    keep, samples, entry_weights, bounds, located = dropped
     stats = dataclasses.replace(stats, num_dropped_ids=merged.num_ids - merged.kept_ids(keep))
     if combiner == "sum":
       denominators = lengths  # unused: 'sum' has no factor

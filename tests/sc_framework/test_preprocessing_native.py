@@ -82,13 +82,12 @@ def test_rank_rows_are_np_unique_with_inverse(seed, size):
 
 def reference_drop(ids, parts, unique_capacity, entry_capacity):
   """The overflow rules as a loop: (keep per entry, rows with a kept entry)."""
-  first_rows, kept_entries = {}, {}
+  first_rows, kept_entries = {}, {}  # part -> {row: its place in first-entry order}
   keep, alive = [], set()
   for row, part in zip(ids.tolist(), parts.tolist()):
-    rows = first_rows.setdefault(part, [])
-    if row not in rows:
-      rows.append(row)
-    take = rows.index(row) < unique_capacity and kept_entries.get(part, 0) < entry_capacity
+    rows = first_rows.setdefault(part, {})
+    place = rows.setdefault(row, len(rows))
+    take = place < unique_capacity and kept_entries.get(part, 0) < entry_capacity
     kept_entries[part] = kept_entries.get(part, 0) + take
     keep.append(take)
     if take:
@@ -184,6 +183,49 @@ def test_drop_device_large_one_shard(seed):
     assert counts[0] == count == want_keep.sum()
 
 
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n_count=st.integers(1, 4), rows_per_shard=st.integers(1, 90),
+       size=st.integers(0, 500), entries=st.integers(0, 300), rows=st.integers(0, 120),
+       weighted=st.booleans(), shift=st.integers(0, 7))
+def test_rank_kept_rows_is_drop_then_unique(seed, n_count, rows_per_shard, size, entries, rows,
+                                            weighted, shift):
+  """Against the rules by a loop and np.unique over the kept rows: the kept
+  entries move `shift` places towards the front of the same buffers (as a
+  later device's do), the statistics count every entry and row before dropping."""
+  rng = np.random.default_rng(seed)
+  v_s = n_count * rows_per_shard
+  row_ids = rng.integers(0, v_s, size)
+  samples = np.sort(rng.integers(0, 60, size)).astype(np.int32)
+  weights = rng.uniform(-2, 2, size).astype(np.float32) if weighted else None
+  row_buffer = np.concatenate([np.full(shift, -5), row_ids]).astype(np.int64)
+  sample_buffer = np.concatenate([np.full(shift, -5), samples]).astype(np.int32)
+  out_weights = None if weights is None else np.full(size, np.nan, np.float32)
+  keep = np.full(size, 7, np.uint8).view(np.bool_)
+  distinct = np.full(size, -9, np.int64)
+  ranks = np.full(size, -9, np.int32)
+  words = np.full(2 * (v_s // 64 + 1) + 2, 0xDEADBEEF, np.uint64)  # stale content is fine
+  all_counts, unique_counts = np.full(n_count, -9, np.int64), np.full(n_count, -9, np.int64)
+  kept, found = kernels.rank_kept_rows(
+      row_buffer[shift:], row_buffer[:size], sample_buffer[shift:], sample_buffer[:size], weights,
+      out_weights, words, v_s, rows_per_shard, rows, entries, keep, distinct, ranks, all_counts,
+      unique_counts)
+
+  shards = row_ids // rows_per_shard
+  want_keep, _ = reference_drop(row_ids, shards, rows, entries)
+  assert_same_bits(keep, want_keep)
+  assert kept == want_keep.sum()
+  assert_same_bits(row_buffer[:kept], row_ids[want_keep])
+  assert_same_bits(sample_buffer[:kept], samples[want_keep])
+  if weighted:
+    assert_same_bits(out_weights[:kept], weights[want_keep])
+  unique, inverse = np.unique(row_ids[want_keep], return_inverse=True)
+  assert_same_bits(distinct[:found], unique)
+  assert_same_bits(ranks[:kept], inverse.astype(np.int32))
+  assert_same_bits(all_counts, np.bincount(shards, minlength=n_count).astype(np.int64))
+  assert_same_bits(unique_counts, np.bincount(np.unique(row_ids) // rows_per_shard,
+                                              minlength=n_count).astype(np.int64))
+
+
 @pytest.mark.parametrize("num_shards,rows_per_shard,offset,rotation",
                          [(1, 400, 0, 0), (1, 1000, 96, 0), (8, 50, 16, 4), (6, 70, 8, 5)])
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])
@@ -243,6 +285,19 @@ def test_bad_arguments_raise_instead_of_crashing():
   with pytest.raises(ValueError, match="distinct: edges"):
     drop_device(np.array([0], np.int32), 4, edges, StackCapacity(1, 1), np.zeros(1, np.int32),
                 None, np.arange(4))
+  with pytest.raises(ValueError, match=r"rows\[1\] = 8 is outside \[0, 8\)"):
+    rows, samples, counts = np.array([0, 8]), np.zeros(2, np.int32), np.empty(2, np.int64)
+    kernels.rank_kept_rows(rows, rows, samples, samples, None, None, np.zeros(4, np.uint64), 8, 4,
+                           1, 1, np.empty(2, np.bool_), np.empty(2, np.int64),
+                           np.empty(2, np.int32), counts, counts.copy())
+  with pytest.raises(ValueError, match="holding the size rows"):  # 2 shards of 4 < 9 rows
+    kernels.rank_kept_rows(rows, rows, samples, samples, None, None, np.zeros(4, np.uint64), 9, 4,
+                           1, 1, np.empty(2, np.bool_), np.empty(2, np.int64),
+                           np.empty(2, np.int32), counts, counts.copy())
+  with pytest.raises(ValueError, match="weights and out_weights"):
+    kernels.rank_kept_rows(rows, rows, samples, samples, np.ones(2, np.float32), None,
+                           np.zeros(4, np.uint64), 8, 4, 1, 1, np.empty(2, np.bool_),
+                           np.empty(2, np.int64), np.empty(2, np.int32), counts, counts.copy())
   with pytest.raises(ValueError, match="rotation"):
     kernels.fill_keys(keys, np.empty(10, np.int32), keys, lengths, 0, 100, 4, 25, 0, 4)
 
@@ -347,6 +402,15 @@ def test_large_tables_same_bits(monkeypatch, vocab, batch, seed):
   fits = {n: s.required_capacity for n, s in stats.stacks.items()}
   native, reference = run_both(monkeypatch, inputs, specs, layout, capacities=fits)
   assert_same_results(native, reference)
+  # Both limits cut: with 100,000 rows one C++ pass per device drops and ranks
+  # (`rank_kept_rows`), with 5M rows the ranks come from a sort (`drop_device`).
+  tight = {n: StackCapacity(c.max_ids_per_partition * 9 // 10,
+                            c.max_unique_ids_per_partition * 8 // 10) for n, c in fits.items()}
+  for capacities in (fits, tight):
+    native, reference = run_both(monkeypatch, inputs, specs, layout, capacities=capacities,
+                                 allow_id_dropping=True)
+    assert_same_results(native, reference)
+  assert reference[1].num_dropped_ids > 0
 
 
 def test_errors_name_the_feature_and_value_on_both_paths(monkeypatch):
