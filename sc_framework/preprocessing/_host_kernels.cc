@@ -750,8 +750,8 @@ PyObject* drop_device(PyObject*, PyObject* args) {
       unique_capacity < 0 ||
       num_shards * unique_capacity > std::numeric_limits<int32_t>::max()) {
     PyErr_Format(PyExc_ValueError,
-                 "need len(edges) >= 2, 1 <= stride <= 2^31 - 1 and 0 <= (len(edges) - 1) * U <= 2^31 - 1,"
-                 " got %lld, %lld, %lld", static_cast<long long>(num_shards + 1), stride,
+                 "need len(edges) >= 2, 1 <= stride <= 2^31 - 1 and"
+                 " 0 <= (len(edges) - 1) * U <= 2^31 - 1, got %lld, %lld, %lld", static_cast<long long>(num_shards + 1), stride,
                  unique_capacity);
     return nullptr;
   }

@@ -28,9 +28,10 @@ partition (device g, shard n). Steps, after `_dedup.merge`:
    are recomputed over the kept ids, and rows left without entries are not
    requested. Statistics always describe the batch before dropping. The
    kept entries come from linear passes without a sort and the kept rows'
-   unique indices from step 2's result (`_drop`); the C++ loops do both in
-   one kernel call per device, so dropping costs little next to the rest of
-   the step.
+   unique indices from step 2's result (`_drop`). With dropping allowed, the
+   C++ loops apply the rules inside step 2's bit-map pass instead
+   (`_locate_within_limits`): an overflowing batch then takes the same passes
+   as one within its limits.
 4. Write the buffers of `_batch.StackBatch`.
 """
 
