@@ -541,15 +541,14 @@ constexpr int64_t kMinDropRun = 64;
 // Marks rows[0, count) in the bit map; returns how many were not marked yet.
 template <typename Row>
 int64_t MarkRows(const Row* rows, int64_t count, uint64_t* word) {
-  int64_t fresh = 0;
+  int64_t marked = 0;
   for (int64_t i = 0; i < count; ++i) {
     const uint64_t row = static_cast<uint64_t>(rows[i]);
-    const uint64_t bit = uint64_t{1} << (row & 63);
     const uint64_t bits = word[row >> 6];
-    fresh += (bits & bit) == 0;
-    word[row >> 6] = bits | bit;
+    marked += (bits >> (row & 63)) & 1;
+    word[row >> 6] = bits | (uint64_t{1} << (row & 63));
   }
-  return fresh;
+  return count - marked;
 }
 
 // Where DropPass writes: the kept entries' samples, weights (kWeights) and
