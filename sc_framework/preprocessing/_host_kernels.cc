@@ -402,30 +402,26 @@ Py_ssize_t FirstOutside(const int64_t* rows, Py_ssize_t count, Py_ssize_t size) 
 }
 
 // rank[i] = before[w] + the marks of word w below bit v mod 64, for v = rows[i]
-// and w = v / 64: the number of distinct rows below v.
-template <typename Popcount>
-void Ranks(const int64_t* rows, Py_ssize_t begin, Py_ssize_t end, const uint64_t* word,
-           const int32_t* before, int32_t* rank, Popcount popcount) {
+// and w = v / 64: the number of distinct rows below v. Always inlined, so the
+// popcount builtin compiles for its caller's target (below: with and without
+// the popcnt instruction).
+inline __attribute__((always_inline)) void Ranks(const int64_t* rows, Py_ssize_t begin,
+                                                 Py_ssize_t end, const uint64_t* word,
+                                                 const int32_t* before, int32_t* rank) {
   for (Py_ssize_t i = begin; i < end; ++i) {
     const uint64_t v = static_cast<uint64_t>(rows[i]);
     const uint64_t below = word[v >> 6] & ((uint64_t{1} << (v & 63)) - 1);
-    rank[i] = before[v >> 6] + popcount(below);
+    rank[i] = before[v >> 6] + static_cast<int32_t>(__builtin_popcountll(below));
   }
 }
-
-int32_t Popcount(uint64_t x) { return static_cast<int32_t>(__builtin_popcountll(x)); }
 
 #if defined(__x86_64__) || defined(__i386__)
 // x86 builds for a baseline without the popcnt instruction: this copy uses it
 // where the processor has it (RanksAnyCpu checks at run time).
-__attribute__((target("popcnt"))) int32_t PopcountInstruction(uint64_t x) {
-  return static_cast<int32_t>(__builtin_popcountll(x));
-}
-
 __attribute__((target("popcnt"))) void RanksPopcnt(const int64_t* rows, Py_ssize_t begin,
                                                    Py_ssize_t end, const uint64_t* word,
                                                    const int32_t* before, int32_t* rank) {
-  Ranks(rows, begin, end, word, before, rank, PopcountInstruction);
+  Ranks(rows, begin, end, word, before, rank);
 }
 #endif
 
@@ -437,7 +433,7 @@ void RanksAnyCpu(const int64_t* rows, Py_ssize_t begin, Py_ssize_t end, const ui
     return;
   }
 #endif
-  Ranks(rows, begin, end, word, before, rank, Popcount);
+  Ranks(rows, begin, end, word, before, rank);
 }
 
 PyObject* rank_rows(PyObject*, PyObject* args) {
@@ -635,15 +631,18 @@ Py_ssize_t DropPass(const Index* index, Py_ssize_t size, const Locate& locate, i
 
 // Pass 3: the kept entries' unique indices v -> n * U + u', u' the marked
 // rows before the entry's row in its shard: base[n] + before[w] + the marks of
-// word w below the row (base[n] = n * U - marked rows before shard n).
-template <bool kOneShard, typename Popcount>
-void NewIndices(int32_t* index, Py_ssize_t count, int64_t stride, const int64_t* edge,
-                const int64_t* base, const uint64_t* word, const int32_t* before,
-                Popcount popcount) {
+// word w below the row (base[n] = n * U - marked rows before shard n). Always
+// inlined, as Ranks.
+template <bool kOneShard>
+inline __attribute__((always_inline)) void NewIndices(int32_t* index, Py_ssize_t count,
+                                                      int64_t stride, const int64_t* edge,
+                                                      const int64_t* base, const uint64_t* word,
+                                                      const int32_t* before) {
   for (Py_ssize_t j = 0; j < count; ++j) {
     const Located at = Locate<kOneShard>(index[j], stride, edge);
     const uint64_t below = word[at.row >> 6] & ((uint64_t{1} << (at.row & 63)) - 1);
-    index[j] = static_cast<int32_t>(base[at.shard] + before[at.row >> 6] + popcount(below));
+    index[j] = static_cast<int32_t>(base[at.shard] + before[at.row >> 6] +
+                                    __builtin_popcountll(below));
   }
 }
 
@@ -654,7 +653,7 @@ __attribute__((target("popcnt"))) void NewIndicesPopcnt(int32_t* index, Py_ssize
                                                          const int64_t* base,
                                                          const uint64_t* word,
                                                          const int32_t* before) {
-  NewIndices<kOneShard>(index, count, stride, edge, base, word, before, PopcountInstruction);
+  NewIndices<kOneShard>(index, count, stride, edge, base, word, before);
 }
 #endif
 
@@ -667,7 +666,7 @@ void NewIndicesAnyCpu(int32_t* index, Py_ssize_t count, int64_t stride, const in
     return;
   }
 #endif
-  NewIndices<kOneShard>(index, count, stride, edge, base, word, before, Popcount);
+  NewIndices<kOneShard>(index, count, stride, edge, base, word, before);
 }
 
 // The three passes of drop_device; returns the kept entries.
