@@ -823,14 +823,14 @@ PyObject* drop_device(PyObject*, PyObject* args) {
 
 // ---------------------------------------------------------------- rank_kept_rows
 
-// Marks of `word` or `late` over the rows [lo, hi).
-int64_t CountMarks(const uint64_t* word, const uint64_t* late, int64_t lo, int64_t hi) {
+// Marks of the bit map `word` over the rows [lo, hi).
+int64_t CountMarks(const uint64_t* word, int64_t lo, int64_t hi) {
   int64_t total = 0;
   for (int64_t row = lo; row < hi;) {
     const int64_t w = row >> 6, end = std::min(hi, (w + 1) * 64);
     uint64_t mask = ~uint64_t{0} << (row & 63);
     if (end < (w + 1) * 64) mask &= (uint64_t{1} << (end & 63)) - 1;
-    total += __builtin_popcountll((word[w] | late[w]) & mask);
+    total += __builtin_popcountll(word[w] & mask);
     row = end;
   }
   return total;
@@ -955,9 +955,18 @@ PyObject* rank_kept_rows(PyObject*, PyObject* args) {
   RunParts(parts, [&](int p) {
     RanksAnyCpu(out, kept * p / parts, kept * (p + 1) / parts, word, before.data(), rank);
   });
+  // Shard n's rows before dropping: its kept rows (from the counts of the
+  // listing) and, where any row kept no entry, its marks in `late`.
+  auto kept_before = [&](int64_t row) {
+    const uint64_t below = word[row >> 6] & ((uint64_t{1} << (row & 63)) - 1);
+    return static_cast<int64_t>(before[row >> 6]) + __builtin_popcountll(below);
+  };
+  uint64_t any_late = 0;
+  for (Py_ssize_t w = 0; w < num_words; ++w) any_late |= late[w];
   for (int64_t n = 0; n < num_shards; ++n) {
-    unique[n] = CountMarks(word, late, std::min<int64_t>(n * rows_per_shard, size),
-                           std::min<int64_t>((n + 1) * rows_per_shard, size));
+    const int64_t lo = std::min<int64_t>(n * rows_per_shard, size);
+    const int64_t hi = std::min<int64_t>((n + 1) * rows_per_shard, size);
+    unique[n] = kept_before(hi) - kept_before(lo) + (any_late ? CountMarks(late, lo, hi) : 0);
   }
   Py_END_ALLOW_THREADS;
   return Py_BuildValue("nn", kept, found);
