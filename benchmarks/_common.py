@@ -17,6 +17,11 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+try:
+  import resource
+except ImportError:  # not a POSIX system: page faults are not counted
+  resource = None
+
 
 def parse_args(description: str, *, repeats: int = 10, quick_repeats: int = 3,
                argv: Sequence[str] | None = None,
@@ -42,27 +47,38 @@ def parse_args(description: str, *, repeats: int = 10, quick_repeats: int = 3,
   return args
 
 
+def minor_faults() -> float:
+  """Minor page faults of this process so far (pages mapped in on first touch);
+  NaN where the system does not count them."""
+  if resource is None:
+    return float("nan")
+  return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def time_median(fn: Callable[[int], Any], repeats: int, *, warmup: int = 1) -> dict[str, float]:
   """Times fn(i) for i in range(repeats) after `warmup` untimed calls.
 
   Returns:
-    {"median_s", "min_s", "max_s"} of the wall-clock times and "cpu_median_s",
-    the median CPU time of this process per call (all threads). On a shared
+    {"median_s", "min_s", "max_s"} of the wall-clock times, "cpu_median_s",
+    the median CPU time of this process per call (all threads), and
+    "faults_median", its median minor page faults per call. On a shared
     machine the CPU time of single-threaded work is the steadier figure.
   """
   for i in range(warmup):
     fn(i)
-  times, cpu = [], []
+  times, cpu, faults = [], [], []
   for i in range(repeats):
-    start, start_cpu = time.perf_counter(), time.process_time()
+    start, start_cpu, start_faults = time.perf_counter(), time.process_time(), minor_faults()
     fn(i)
     times.append(time.perf_counter() - start)
     cpu.append(time.process_time() - start_cpu)
+    faults.append(minor_faults() - start_faults)
   return {
       "median_s": statistics.median(times),
       "min_s": min(times),
       "max_s": max(times),
       "cpu_median_s": statistics.median(cpu),
+      "faults_median": statistics.median(faults),
   }
 
 
@@ -71,20 +87,24 @@ def time_interleaved(cases: Mapping[str, Callable[[int], object]], repeats: int)
   is the untimed warm-up. A load change on a shared machine then hits every
   case alike, which keeps their ratios meaningful.
 
-  Returns per case {"ms", "min_ms", "max_ms", "cpu_ms"}: medians (and extremes)
-  of the wall-clock and process CPU times of its calls.
+  Returns per case {"ms", "min_ms", "max_ms", "cpu_ms", "faults"}: medians
+  (and extremes) of the wall-clock and process CPU times of its calls, and
+  the median of their minor page faults.
   """
   wall = {name: [] for name in cases}
   cpu = {name: [] for name in cases}
+  faults = {name: [] for name in cases}
   for round_index in range(repeats + 1):
     for name, fn in cases.items():
-      start, start_cpu = time.perf_counter(), time.process_time()
+      start, start_cpu, start_faults = time.perf_counter(), time.process_time(), minor_faults()
       fn(round_index)
       if round_index:
         wall[name].append(1e3 * (time.perf_counter() - start))
         cpu[name].append(1e3 * (time.process_time() - start_cpu))
+        faults[name].append(minor_faults() - start_faults)
   return {name: {"ms": statistics.median(wall[name]), "min_ms": min(wall[name]),
-                 "max_ms": max(wall[name]), "cpu_ms": statistics.median(cpu[name])}
+                 "max_ms": max(wall[name]), "cpu_ms": statistics.median(cpu[name]),
+                 "faults": statistics.median(faults[name])}
           for name in cases}
 
 

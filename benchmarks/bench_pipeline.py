@@ -271,7 +271,8 @@ def stage_times(case: Case, trainer: Trainer, repeats: int) -> dict[str, dict[st
                      ("dense_fwd_bwd", run_dense), ("sparse_update", run_update),
                      (SEQUENTIAL, run_lookup_then_dense), (SIDE_BY_SIDE, run_lookup_beside_dense)):
       timed = time_median(fn, repeats)
-      stages[name] = {"ms": 1e3 * timed["median_s"], "cpu_ms": 1e3 * timed["cpu_median_s"]}
+      stages[name] = {"ms": 1e3 * timed["median_s"], "cpu_ms": 1e3 * timed["cpu_median_s"],
+                      "faults": timed["faults_median"]}
   return stages
 
 
@@ -295,11 +296,11 @@ def run_case(case: Case, repeats: int) -> dict[str, Any]:
   cpu_bound = sum(s["cpu_ms"] for s in stages.values()) / cores
   bound = max(stages[largest]["ms"], cpu_bound)
   pipelined, sync = result[True], result[False]
-  rows = [{"stage": name, "ms": s["ms"], "cpu_ms": s["cpu_ms"], "cores": s["cpu_ms"] / s["ms"]}
-          for name, s in stages.items()]
+  rows = [{"stage": name, "ms": s["ms"], "cpu_ms": s["cpu_ms"], "cores": s["cpu_ms"] / s["ms"],
+           "faults": s["faults"]} for name, s in stages.items()]
   print(f"\n{case.title}; {jax.device_count()} device(s), {cores} cores")
   print_table(rows, [("stage", "stage", "s"), ("ms", "ms", ".2f"), ("cpu_ms", "cpu ms", ".2f"),
-                     ("cores", "cores busy", ".2f")])
+                     ("cores", "cores busy", ".2f"), ("faults", "page faults", ".0f")])
   summary = [
       {"what": "sum of stages", "ms": stage_sum},
       {"what": "sum of device stages (lookup + dense + update)", "ms": device_sum},

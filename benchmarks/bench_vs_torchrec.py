@@ -290,6 +290,7 @@ def main(argv=None) -> dict:
           ("step_ratio", "step ours/TR", ".2f"), ("e2e_ratio", "prep+step ours/TR", ".2f"),
           ("torchrec_cpu_ms", "TR CPU ms", ".1f"), ("ours_step_cpu_ms", "step CPU ms", ".1f"),
           ("ours_e2e_cpu_ms", "prep+step CPU ms", ".1f"),
+          ("ours_step_faults", "step page faults", ".0f"),
       ])
       result["torchrec"] = {"version": torchrec.__version__, "torch": torch.__version__,
                             "torch_threads": torch.get_num_threads(), "results": rows}
