@@ -28,6 +28,13 @@ setup(
         Extension(
             "sc_framework.primitives._cpu_kernels",
             sources=["sc_framework/primitives/_cpu_kernels.cc"],
+            depends=[
+                "sc_framework/primitives/_cpu_kernels_common.h",
+                "sc_framework/primitives/_cpu_kernels_elementwise.h",
+                "sc_framework/primitives/_cpu_kernels_fused.h",
+                "sc_framework/primitives/_cpu_kernels_grouping.h",
+                "sc_framework/primitives/_cpu_kernels_rows.h",
+            ],
             # No errno from std::sqrt and no floating-point traps (neither is
             # read): loops over square roots and selects of quotients vectorise.
             # Results are unchanged (no reassociation, unlike -ffast-math).
@@ -39,6 +46,13 @@ setup(
         Extension(
             "sc_framework.preprocessing._host_kernels",
             sources=["sc_framework/preprocessing/_host_kernels.cc"],
+            depends=[
+                "sc_framework/preprocessing/_host_kernels_common.h",
+                "sc_framework/preprocessing/_host_kernels_drop.h",
+                "sc_framework/preprocessing/_host_kernels_rank.h",
+                "sc_framework/preprocessing/_host_kernels_rank_kept.h",
+                "sc_framework/preprocessing/_host_kernels_sort.h",
+            ],
             extra_compile_args=["-O3", "-std=c++17", "-Wall", "-Wextra"],
             language="c++",
             optional=True,

@@ -1,0 +1,132 @@
+// rank_rows of the host preprocessing loops: distinct rows and their ranks
+// through a bit map.
+//
+// Included by _host_kernels.cc only: the code stays in that translation unit's
+// anonymous namespace, as when it was part of the file.
+
+#ifndef SC_FRAMEWORK_PREPROCESSING_HOST_KERNELS_RANK_H_
+#define SC_FRAMEWORK_PREPROCESSING_HOST_KERNELS_RANK_H_
+
+#ifndef PY_SSIZE_T_CLEAN
+#define PY_SSIZE_T_CLEAN
+#endif
+#include <Python.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "_host_kernels_common.h"
+
+namespace {
+
+// ---------------------------------------------------------------- rank_rows
+
+// Index of the first row outside [0, size), or -1.
+Py_ssize_t FirstOutside(const int64_t* rows, Py_ssize_t count, Py_ssize_t size) {
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    if (static_cast<uint64_t>(rows[i]) >= static_cast<uint64_t>(size)) return i;
+  }
+  return -1;
+}
+
+// rank[i] = before[w] + the marks of word w below bit v mod 64, for v = rows[i]
+// and w = v / 64: the number of distinct rows below v. Always inlined, so the
+// popcount builtin compiles for its caller's target (below: with and without
+// the popcnt instruction).
+inline __attribute__((always_inline)) void Ranks(const int64_t* rows, Py_ssize_t begin,
+                                                 Py_ssize_t end, const uint64_t* word,
+                                                 const int32_t* before, int32_t* rank) {
+  for (Py_ssize_t i = begin; i < end; ++i) {
+    const uint64_t v = static_cast<uint64_t>(rows[i]);
+    const uint64_t below = word[v >> 6] & ((uint64_t{1} << (v & 63)) - 1);
+    rank[i] = before[v >> 6] + static_cast<int32_t>(__builtin_popcountll(below));
+  }
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+// x86 builds for a baseline without the popcnt instruction: this copy uses it
+// where the processor has it (RanksAnyCpu checks at run time).
+__attribute__((target("popcnt"))) void RanksPopcnt(const int64_t* rows, Py_ssize_t begin,
+                                                   Py_ssize_t end, const uint64_t* word,
+                                                   const int32_t* before, int32_t* rank) {
+  Ranks(rows, begin, end, word, before, rank);
+}
+#endif
+
+void RanksAnyCpu(const int64_t* rows, Py_ssize_t begin, Py_ssize_t end, const uint64_t* word,
+                 const int32_t* before, int32_t* rank) {
+#if defined(__x86_64__) || defined(__i386__)
+  if (__builtin_cpu_supports("popcnt")) {
+    RanksPopcnt(rows, begin, end, word, before, rank);
+    return;
+  }
+#endif
+  Ranks(rows, begin, end, word, before, rank);
+}
+
+PyObject* rank_rows(PyObject*, PyObject* args) {
+  PyObject *rows_object, *words_object, *distinct_object, *ranks_object;
+  long long size;
+  if (!PyArg_ParseTuple(args, "OOLOO", &rows_object, &words_object, &size, &distinct_object,
+                        &ranks_object)) {
+    return nullptr;
+  }
+  Array rows, words, distinct, ranks;
+  if (!rows.Take(rows_object, "rows", 8, false) ||
+      !words.Take(words_object, "words", 8, true) ||
+      !distinct.Take(distinct_object, "distinct", 8, true) ||
+      !ranks.Take(ranks_object, "ranks", 4, true)) {
+    return nullptr;
+  }
+  const int64_t* row = rows.data<int64_t>();
+  const Py_ssize_t count = rows.size();
+  const Py_ssize_t num_words = static_cast<Py_ssize_t>((size + 63) / 64);
+  if (size < 0 || words.size() < num_words) {
+    return SizeError("words: at least (size + 63) / 64", num_words, words.size()), nullptr;
+  }
+  if (count > std::numeric_limits<int32_t>::max()) {
+    PyErr_SetString(PyExc_ValueError, "more rows than int32 ranks");
+    return nullptr;
+  }
+  if (distinct.size() < std::min<Py_ssize_t>(count, size)) {
+    return SizeError("distinct: at least", std::min<Py_ssize_t>(count, size), distinct.size()),
+           nullptr;
+  }
+  if (ranks.size() != count) return SizeError("ranks: len(rows)", count, ranks.size()), nullptr;
+  const Py_ssize_t outside = FirstOutside(row, count, size);
+  if (outside >= 0) {
+    PyErr_Format(PyExc_ValueError, "rows[%zd] = %lld is outside [0, %lld)", outside,
+                 static_cast<long long>(row[outside]), size);
+    return nullptr;
+  }
+  uint64_t* word = words.data<uint64_t>();
+  int64_t* out = distinct.data<int64_t>();
+  int32_t* rank = ranks.data<int32_t>();
+  Py_ssize_t found = 0;
+  Py_BEGIN_ALLOW_THREADS;
+  std::memset(word, 0, num_words * sizeof(uint64_t));
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    word[static_cast<uint64_t>(row[i]) >> 6] |= uint64_t{1} << (row[i] & 63);
+  }
+  std::vector<int32_t> before(num_words);
+  for (Py_ssize_t w = 0; w < num_words; ++w) {
+    before[w] = static_cast<int32_t>(found);
+    for (uint64_t bits = word[w]; bits; bits &= bits - 1) {
+      out[found++] = w * 64 + __builtin_ctzll(bits);
+    }
+  }
+  const int parts = NumParts(count);
+  RunParts(parts, [&](int p) {
+    RanksAnyCpu(row, count * p / parts, count * (p + 1) / parts, word, before.data(), rank);
+  });
+  Py_END_ALLOW_THREADS;
+  return PyLong_FromSsize_t(found);
+}
+
+
+}  // namespace
+
+#endif  // SC_FRAMEWORK_PREPROCESSING_HOST_KERNELS_RANK_H_
