@@ -10,14 +10,14 @@ a sort, a scatter or extra temporaries:
   merge_samples   `_dedup.merge`: each sample's keys sorted stably (weights
                   alongside), the positions of repeated keys, and the rows and
                   samples of the entries (repeats left out), in one pass
-  rank_rows       `_partition`: a device's ascending distinct rows and every
+  rank_rows       `_locate`: a device's ascending distinct rows and every
                   entry's rank among them, from a bit map that stays in the
                   cache (numpy: a byte map, then a [V_s] table of ranks)
-  rank_kept_rows  `_partition._locate_within_limits` (dropping allowed):
+  rank_kept_rows  `_dropping._locate_within_limits` (dropping allowed):
                   rank_rows with the overflow rules (a) and (b) applied in its
                   marking pass, which also compacts the kept entries; the
                   distinct rows and ranks are then those of the kept entries
-  drop_device     `_partition._drop` (dropping after the sort of step 2): the
+  drop_device     `_dropping._drop` (dropping after the sort of step 2): the
                   rules in one pass over a device's entries (a bit map of the
                   kept rows), compacting the kept entries; then their new
                   unique indices and the kept rows from the map

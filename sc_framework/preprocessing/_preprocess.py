@@ -199,7 +199,7 @@ def preprocess(
     padding_id: an id that means "no id" and is skipped (e.g. -1), for every
       feature, or a mapping feature name -> padding id; None: no padding.
     allow_id_dropping: on partition overflow, drop ids deterministically
-      (later samples first; see `_partition`) and count them in the stats,
+      (later samples first; see `_dropping`) and count them in the stats,
       instead of raising.
     capacities: stack name -> (C, U), overriding the maxima of the stack's
       tables' max_ids_per_partition / max_unique_ids_per_partition.

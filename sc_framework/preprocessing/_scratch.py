@@ -2,9 +2,10 @@
 
 A batch of ~1M ids needs tens of MB of temporaries. Fresh numpy arrays of that
 size come from the operating system page by page on every call, and those page
-faults can cost as much as the arithmetic. The temporaries of `_assemble` and
-`_partition` therefore live in buffers kept per thread (so concurrent
-preprocessing threads never share one) and grown when a batch needs more.
+faults can cost as much as the arithmetic. The temporaries of `_assemble`,
+`_locate` and `_dropping` therefore live in buffers kept per thread (so
+concurrent preprocessing threads never share one) and grown when a batch needs
+more.
 
 Rules: a scratch view is valid until the same name is requested again in the
 same thread, and is never returned to the caller of `preprocess` (outputs are

@@ -39,7 +39,7 @@ from sc_framework.preprocessing import (
     stack_capacities,
 )
 from sc_framework.preprocessing import _native
-from sc_framework.preprocessing._partition import _drop_mask, _Numbered
+from sc_framework.preprocessing._dropping import _drop_mask, _Numbered
 from sc_framework.specs import FeatureSpec, TableSpec
 from sc_framework.stacking import auto_stack_tables, stack_tables
 from tests.numerics import assert_close, assert_same_bits
@@ -676,7 +676,7 @@ def drop_mask(row_ids, stride, num_parts, capacity):
 
 
 def reference_drop_mask(row_ids, stride, capacity):
-  """Rules (a) and (b) of `_partition` by a loop over the entries in order."""
+  """Rules (a) and (b) of `_dropping` by a loop over the entries in order."""
   first_rows = collections.defaultdict(list)  # partition -> rows, first-entry order
   for row in row_ids.tolist():
     if row not in first_rows[row // stride]:
@@ -911,15 +911,15 @@ def test_layout_from_other_specs():
 
 @pytest.mark.parametrize("knobs", [
     # Distinct rows by sorting instead of the bitmap.
-    {"_partition": dict(_BITMAP_MIN=0, _BITMAP_FACTOR=0)},
+    {"_locate": dict(_BITMAP_MIN=0, _BITMAP_FACTOR=0)},
     # Boolean compaction of repeats; many small sort runs.
     {"_dedup": dict(_MAX_COPY_RUNS=0, _SORT_RUN=5)},
 ])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_internal_algorithm_variants(monkeypatch, knobs, weighted):
-  from sc_framework.preprocessing import _dedup, _partition
+  from sc_framework.preprocessing import _dedup, _locate
 
-  modules = {"_dedup": _dedup, "_partition": _partition}
+  modules = {"_dedup": _dedup, "_locate": _locate}
   for module, values in knobs.items():
     for name, value in values.items():
       monkeypatch.setattr(modules[module], name, value)
