@@ -67,6 +67,27 @@ void RanksAnyCpu(const int64_t* rows, Py_ssize_t begin, Py_ssize_t end, const ui
   Ranks(rows, begin, end, word, before, rank);
 }
 
+// The rows marked in word[num_words], ascending, into listed (before[w]: the
+// rows listed before word w); then rank[i] = the rank of rows[i] among them,
+// for i in [0, count), on NumParts(count) threads. Returns the number listed.
+Py_ssize_t ListAndRank(const uint64_t* word, Py_ssize_t num_words, const int64_t* rows,
+                       Py_ssize_t count, int64_t* listed, int32_t* rank,
+                       std::vector<int32_t>& before) {
+  before.assign(num_words, 0);
+  Py_ssize_t found = 0;
+  for (Py_ssize_t w = 0; w < num_words; ++w) {
+    before[w] = static_cast<int32_t>(found);
+    for (uint64_t bits = word[w]; bits; bits &= bits - 1) {
+      listed[found++] = w * 64 + __builtin_ctzll(bits);
+    }
+  }
+  const int parts = NumParts(count);
+  RunParts(parts, [&](int p) {
+    RanksAnyCpu(rows, count * p / parts, count * (p + 1) / parts, word, before.data(), rank);
+  });
+  return found;
+}
+
 PyObject* rank_rows(PyObject*, PyObject* args) {
   PyObject *rows_object, *words_object, *distinct_object, *ranks_object;
   long long size;
@@ -111,17 +132,8 @@ PyObject* rank_rows(PyObject*, PyObject* args) {
   for (Py_ssize_t i = 0; i < count; ++i) {
     word[static_cast<uint64_t>(row[i]) >> 6] |= uint64_t{1} << (row[i] & 63);
   }
-  std::vector<int32_t> before(num_words);
-  for (Py_ssize_t w = 0; w < num_words; ++w) {
-    before[w] = static_cast<int32_t>(found);
-    for (uint64_t bits = word[w]; bits; bits &= bits - 1) {
-      out[found++] = w * 64 + __builtin_ctzll(bits);
-    }
-  }
-  const int parts = NumParts(count);
-  RunParts(parts, [&](int p) {
-    RanksAnyCpu(row, count * p / parts, count * (p + 1) / parts, word, before.data(), rank);
-  });
+  std::vector<int32_t> before;
+  found = ListAndRank(word, num_words, row, count, out, rank, before);
   Py_END_ALLOW_THREADS;
   return PyLong_FromSsize_t(found);
 }

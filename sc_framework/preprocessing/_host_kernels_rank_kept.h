@@ -149,17 +149,8 @@ PyObject* rank_kept_rows(PyObject*, PyObject* args) {
     kept = weighted ? run(No{}, Yes{}, many) : run(No{}, No{}, many);
   }
   // As rank_rows, over the kept rows: they ascending, then their ranks.
-  std::vector<int32_t> before(num_words);
-  for (Py_ssize_t w = 0; w < num_words; ++w) {
-    before[w] = static_cast<int32_t>(found);
-    for (uint64_t bits = word[w]; bits; bits &= bits - 1) {
-      listed[found++] = w * 64 + __builtin_ctzll(bits);
-    }
-  }
-  const int parts = NumParts(kept);
-  RunParts(parts, [&](int p) {
-    RanksAnyCpu(out, kept * p / parts, kept * (p + 1) / parts, word, before.data(), rank);
-  });
+  std::vector<int32_t> before;
+  found = ListAndRank(word, num_words, out, kept, listed, rank, before);
   // Shard n's rows before dropping: its kept rows (from the counts of the
   // listing) and, where any row kept no entry, its marks in `late`.
   auto kept_before = [&](int64_t row) {
