@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from sc_framework.flax import _step
 from sc_framework.preprocessing import StackBatch
 from sc_framework.primitives import EmbeddingPlan
+from sc_framework.primitives._checks import check_batch as check_plan_batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +72,8 @@ def layer_key(path: tuple[Hashable, ...]) -> str:
 
 
 def check_batch(plan: EmbeddingPlan, batch: Mapping[str, Any], owner: str) -> None:
-  """Raises a clear error unless `batch` has one StackBatch per stack of `plan`."""
+  """Raises a clear error unless `batch` has one StackBatch per stack of `plan`,
+  shaped for its layout (`sc_framework.primitives._checks.check_batch`)."""
   if not isinstance(batch, Mapping):
     raise TypeError(
         f"{owner}: expected the preprocessed batch, a dict stack name -> StackBatch, got"
@@ -86,14 +88,7 @@ def check_batch(plan: EmbeddingPlan, batch: Mapping[str, Any], owner: str) -> No
         " looks the tables up itself and calls its model as model(activations, dense): give it"
         " the dense part of a model, without embedding layers.)"
     )
-  stacks = set(plan.layout.stack_names)
-  missing, extra = sorted(stacks - set(batch)), sorted(set(batch) - stacks)
-  if missing or extra:
-    raise ValueError(
-        f"{owner}: the batch has stacks {sorted(batch)} but the layer's layout has"
-        f" {sorted(stacks)} (missing {missing}, unexpected {extra}). Preprocess with the same"
-        " feature specs and layout as the layer (the layer's `plan.layout`)."
-    )
+  check_plan_batch(plan, batch, f"{owner}: the batch")
 
 
 # --- the tap -------------------------------------------------------------------

@@ -422,7 +422,7 @@ def flatten_input(
     (padding id, past the end of a ragged sample, absent from a COO input).
 
   Raises:
-    TypeError: non-integer ids or a malformed ragged batch.
+    TypeError: non-integer ids or padding_id, or a malformed ragged batch.
     ValueError: naming the feature, table, sample and value: a batch size that
       differs from the spec, a sample with more ids (padding excluded) than
       the spec's input_shape[1] (for a sequence feature: an id at a position
@@ -432,6 +432,12 @@ def flatten_input(
   """
   table = feature.table
   owner = f"feature {feature.name!r}"
+  if padding_id is not None and (isinstance(padding_id, (bool, np.bool_))
+                                 or not isinstance(padding_id, (int, np.integer))):
+    raise TypeError(
+        f"{owner}: padding_id must be an int id (e.g. -1) or None, got {padding_id!r}"
+        f" ({type(padding_id).__name__})."
+    )
   length = feature.sequence_length
   if length is None:
     values, splits, weights, padding_done = _to_csr(value, owner, padding_id)

@@ -27,7 +27,7 @@ from sc_framework.preprocessing._stats import (
     stack_capacities,
 )
 from sc_framework.specs import FeatureSpec, validate_feature_specs
-from sc_framework.stacking import EmbeddingLayout
+from sc_framework.stacking import EmbeddingLayout, check_rows_addressable
 
 PaddingId = int | None | Mapping[str, int | None]
 
@@ -79,6 +79,7 @@ def _check_layout(specs: Sequence[FeatureSpec], layout: EmbeddingLayout) -> None
   unplaced = [name for name in by_name if name not in placed]
   if unplaced:
     raise ValueError(f"features {unplaced} are in no stack of the layout.")
+  check_rows_addressable(layout)
 
 
 def _device_range(devices: range | None, num_devices: int) -> range:

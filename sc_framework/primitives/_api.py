@@ -6,6 +6,7 @@ import jax
 
 from sc_framework.preprocessing._batch import StackBatch
 from sc_framework.primitives import _sharded
+from sc_framework.primitives._checks import check_batch, check_names, check_tables, check_variables
 from sc_framework.primitives._backend import EmbeddingBackend, get_backend
 from sc_framework.primitives._plan import EmbeddingPlan
 from sc_framework.primitives._state import EmbeddingVariables
@@ -42,6 +43,8 @@ def embedding_lookup(
     feature name -> [batch, D] ([batch, L, D] for a sequence feature)
     activations, sharded over the batch.
   """
+  check_tables(plan, tables)
+  check_batch(plan, batch)
   return _shaped(plan, get_backend(backend, plan).lookup(plan, tables, batch))
 
 
@@ -64,6 +67,8 @@ def stacked_lookup(
   per stack and copies nothing; `split_stacked_activations` gives
   `embedding_lookup`'s result from it.
   """
+  check_tables(plan, tables)
+  check_batch(plan, batch)
   chosen = get_backend(backend, plan)
   if chosen.lookup_stacks is not None:
     return chosen.lookup_stacks(plan, tables, batch)
@@ -73,6 +78,8 @@ def stacked_lookup(
 def split_stacked_activations(plan: EmbeddingPlan,
                               stacked: dict[str, jax.Array]) -> dict[str, jax.Array]:
   """`stacked_lookup`'s result -> feature name -> activations (as `embedding_lookup`)."""
+  check_names("stacked activations", stacked, plan.layout.stack_names, "stacks",
+              "Pass stacked_lookup's result for this plan.")
   return _shaped(plan, _sharded.split_stacks(plan, stacked))
 
 
@@ -95,9 +102,8 @@ def _as_rows(plan: EmbeddingPlan, arrays: dict[str, jax.Array], what: str):
 
   `what` names the argument in the error (e.g. "activation_grads").
   """
-  missing = [f.name for f in plan.feature_specs if f.name not in arrays]
-  if missing:
-    raise ValueError(f"{what} is missing features {missing}.")
+  check_names(what, arrays, [f.name for f in plan.feature_specs], "features",
+              "Pass one array per feature of the plan, keyed by feature name.")
   out = {}
   for feature in plan.feature_specs:
     array = arrays[feature.name]
@@ -143,6 +149,8 @@ def apply_embedding_gradients(
   Returns:
     The updated EmbeddingVariables.
   """
+  check_variables(plan, variables)
+  check_batch(plan, batch)
   return get_backend(backend, plan).apply_gradients(
       plan, variables, batch, _as_rows(plan, activation_grads, "activation_grads"), step
   )

@@ -22,6 +22,7 @@ from sc_framework.stacking import (
     StackLayout,
     auto_stack_tables,
     check_layout_fits_specs,
+    check_rows_addressable,
 )
 
 DEFAULT_AXIS_NAME = "devices"
@@ -78,6 +79,7 @@ class EmbeddingPlan:
           f" num_devices={axis_size}."
       )
     check_layout_fits_specs(self.layout, features)
+    check_rows_addressable(self.layout)
     for feature in features:
       if feature.batch_size % self.layout.num_devices:
         raise ValueError(

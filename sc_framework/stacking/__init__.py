@@ -16,6 +16,7 @@ from sc_framework.stacking._layout import (
     StackLayout,
     TablePlacement,
     check_layout,
+    check_rows_addressable,
     round_up,
 )
 from sc_framework.stacking._rows import (
@@ -47,6 +48,7 @@ __all__ = [
     "stacking_key",
     "check_layout",
     "check_layout_fits_specs",
+    "check_rows_addressable",
     "round_up",
     "stack",
     "unstack",

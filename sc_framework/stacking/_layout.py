@@ -291,6 +291,31 @@ class EmbeddingLayout:
     return cls.from_dict(data)
 
 
+MAX_ROWS_PER_DEVICE = 2**31 - 1
+
+
+def check_rows_addressable(layout: EmbeddingLayout) -> None:
+  """Verifies that every stack's rows on one device, S * R, fit int32 indices.
+
+  The device computations and the preprocessed batches index a device's
+  block of a stack with int32 (local rows in [0, R), and S * R as the
+  "no row" marker), so S * R must not exceed 2^31 - 1.
+
+  Raises:
+    ValueError: naming the stack, its S * R and how many devices would do.
+  """
+  for stack in layout.stacks:
+    per_device = layout.shards_per_device * stack.rows_per_shard
+    if per_device > MAX_ROWS_PER_DEVICE:
+      needed = -(-stack.vocabulary_size // MAX_ROWS_PER_DEVICE)
+      raise ValueError(
+          f"layout stack {stack.name!r} (tables {list(stack.table_names)}) puts"
+          f" {per_device:,} rows on each of its {layout.num_devices} devices; row indices are"
+          f" int32, so at most {MAX_ROWS_PER_DEVICE:,} fit one device. Shard it over at least"
+          f" {needed} devices, or split the table."
+      )
+
+
 def check_layout(layout: EmbeddingLayout) -> None:
   """Verifies every derived quantity of a layout against the formulas above.
 

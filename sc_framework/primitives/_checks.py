@@ -1,0 +1,112 @@
+"""Checks of the primitives' arguments against the plan, run while tracing.
+
+Shapes are static under jit, so these checks cost nothing per step. They turn
+a wrong table, a batch preprocessed for another layout or a misspelled
+feature into an error naming the stack or feature and both values, instead
+of an internal JAX error or silently wrong activations.
+
+Expected shapes (G devices, N = G * S shards, V_s rows and D' columns of a
+stack, see sc_framework/stacking/_layout.py):
+  table         [V_s, D']
+  slot          [V_s, D'] (SlotSpec.width None) or [V_s, width]
+  StackBatch    unique_rows [G, N, U]; entry_samples, entry_unique_index,
+                entry_gains [G, E] (U and E: the batch's capacities)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from sc_framework.preprocessing._batch import StackBatch
+from sc_framework.primitives._plan import EmbeddingPlan
+
+_PREPROCESS_HINT = (
+    "Preprocess the raw ids with sc_framework.preprocessing.preprocess(features, feature_specs,"
+    " plan.layout)."
+)
+
+
+def check_names(what: str, given: Iterable[str], expected: Iterable[str], kind: str,
+                hint: str) -> None:
+  """Raises ValueError unless `given` names exactly the `expected` stacks or features."""
+  given, expected = set(given), set(expected)
+  missing, unknown = sorted(expected - given), sorted(given - expected)
+  if missing or unknown:
+    raise ValueError(
+        f"{what} has {kind} {sorted(given)} but the plan has {sorted(expected)} (missing"
+        f" {missing}, unknown {unknown}). {hint}"
+    )
+
+
+def check_tables(plan: EmbeddingPlan, tables: Mapping[str, Any], what: str = "tables") -> None:
+  """Every stack's table is present and shaped [V_s, D']."""
+  if not isinstance(tables, Mapping):
+    raise TypeError(f"{what} must map stack names to stacked tables, got {type(tables).__name__}.")
+  check_names(what, tables, plan.layout.stack_names, "stacks",
+              "Pass the tables of init_embedding_variables(plan, ...) or of a restore into"
+              " this plan's layout.")
+  for stack in plan.layout.stacks:
+    shape = tuple(getattr(tables[stack.name], "shape", ()))
+    if shape != stack.shape:
+      raise ValueError(
+          f"{what}[{stack.name!r}] has shape {shape} but stack {stack.name!r} of the plan's"
+          f" layout is {stack.shape} (V_s rows, D' columns: tables {list(stack.table_names)}"
+          f" over {stack.num_shards} shards). The tables belong to another layout: restore or"
+          " convert them into this one (sc_framework.stacking / the checkpoint converter)."
+      )
+
+
+def check_variables(plan: EmbeddingPlan, variables: Any) -> None:
+  """Tables as `check_tables`, and every stack's optimizer slots by their SlotSpec."""
+  check_tables(plan, variables.tables, "variables.tables")
+  slot_specs = plan.slot_specs()
+  check_names("variables.slots", variables.slots, slot_specs, "stacks",
+              "Pass the variables of init_embedding_variables(plan, ...).")
+  for stack in plan.layout.stacks:
+    slots = variables.slots[stack.name]
+    specs = {spec.name: spec for spec in slot_specs[stack.name]}
+    check_names(f"variables.slots[{stack.name!r}]", slots, specs, "slots",
+                f"Stack {stack.name!r} is trained with {type(plan.optimizer(stack.name)).__name__},"
+                " whose slots these are not; initialise or restore them for this optimizer.")
+    for name, spec in specs.items():
+      expected = (stack.shape[0], stack.shape[1] if spec.width is None else spec.width)
+      shape = tuple(getattr(slots[name], "shape", ()))
+      if shape != expected:
+        raise ValueError(
+            f"variables.slots[{stack.name!r}][{name!r}] has shape {shape} but the optimizer's"
+            f" slot {name!r} of stack {stack.name!r} is {expected}. The slots belong to another"
+            " layout or optimizer: restore or convert them into this plan's layout."
+        )
+
+
+def check_batch(plan: EmbeddingPlan, batch: Mapping[str, Any], what: str = "batch") -> None:
+  """One StackBatch per stack, shaped for the plan's G devices and N shards."""
+  if not isinstance(batch, Mapping):
+    raise TypeError(
+        f"{what} must be the preprocessed batch, a dict stack name -> StackBatch, got"
+        f" {type(batch).__name__}. {_PREPROCESS_HINT}"
+    )
+  other = {name: type(value).__name__ for name, value in batch.items()
+           if not isinstance(value, StackBatch)}
+  if other:
+    raise TypeError(
+        f"{what} must be the preprocessed batch, a dict stack name -> StackBatch, got values"
+        f" {other}. {_PREPROCESS_HINT}"
+    )
+  check_names(what, batch, plan.layout.stack_names, "stacks", _PREPROCESS_HINT)
+  devices = plan.num_devices
+  for stack in plan.layout.stacks:
+    sparse = batch[stack.name]
+    rows = tuple(sparse.unique_rows.shape)
+    entries = [tuple(getattr(sparse, field).shape)
+               for field in ("entry_samples", "entry_unique_index", "entry_gains")]
+    if (len(rows) != 3 or rows[:2] != (devices, stack.num_shards)
+        or any(len(shape) != 2 or shape != entries[0] or shape[0] != devices
+               for shape in entries)):
+      raise ValueError(
+          f"{what}[{stack.name!r}] was preprocessed for another layout: unique_rows has shape"
+          f" {rows} and the entry arrays {entries}, but the plan has G={devices} devices and"
+          f" N={stack.num_shards} shards (unique_rows [G, N, U], entries [G, E]). Preprocess"
+          " with this plan's layout (plan.layout)."
+      )
