@@ -17,7 +17,11 @@ a requested stop. The pipelined one follows DESIGN.md:
   drain:     dense(last) + update(last)
 
 so every lookup is one update stale, and a checkpoint taken between steps
-holds the in-flight lookup with its batch.
+holds the in-flight lookup with its batch. Only the end of the data drains:
+a run that stops at `num_steps` or on request keeps the next batch in
+flight (looked up from the tables before the last update, as a run that
+went on would), so resuming from its final checkpoint, or calling fit
+again, continues bit for bit like one uninterrupted run.
 """
 
 from __future__ import annotations
@@ -174,18 +178,17 @@ def pipelined_steps(schedule: Schedule, state: LoopState,
   step = int(state.train.step)
   if schedule.reached(step):
     return
-  if state.in_flight is not None and schedule.reached(step + 1):
-    # Only the in-flight batch remains to apply: leave the batch fit pulled
-    # unused (the data position still points after the in-flight one).
-    pending = None
   if state.in_flight is None:
     if pending is None:
       return
     state = _taken(state, schedule.steps.prime(state.train, pending.batch.batch), pending)
     pending = None
   while state.in_flight is not None:
-    # Pull the next batch unless the in-flight one is the last to apply.
-    if pending is None and not schedule.reached(step + 1):
+    # The next batch's lookup runs even in the step that reaches num_steps:
+    # the run then stops as at a requested stop, that batch in flight, and a
+    # resume (or the next fit) continues exactly as if it had not stopped.
+    # Only the end of the data drains the pipeline.
+    if pending is None:
       pending = schedule.next_batch()
     index = _newest_index(state.data)
     if pending is None:
@@ -198,7 +201,7 @@ def pipelined_steps(schedule: Schedule, state: LoopState,
       pending = None
     yield StepResult(state, metrics, index)
     step = int(state.train.step)
-    if schedule.should_stop():
+    if schedule.should_stop() or schedule.reached(step):
       break
 
 

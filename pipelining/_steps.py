@@ -13,7 +13,7 @@ updates, x_k is batch k, a_k its activations.
 
 With pipelining the lookup reads the tables one update stale (a_{k+1} sees
 T_k, not T_{k+1}); every batch is applied exactly once because the last step
-drains. The carried a_k is the lookup's result as each stack holds it
+of the data drains (a run stopped earlier keeps its next batch in flight). The carried a_k is the lookup's result as each stack holds it
 (`stacked_lookup`: one buffer per stack), cut into features only inside the
 step that reads it, so no program copies it into per-feature outputs. All
 functions are pure: the state goes in and comes out (donated).

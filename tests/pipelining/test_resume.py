@@ -108,16 +108,51 @@ def test_checkpoint_with_other_vocabulary_names_the_table(tmp_path):
 
 
 def test_num_steps_is_exact_with_a_batch_in_flight(tmp_path):
-  """An interrupted pipelined fit continued with num_steps = step + 1 applies one update."""
+  """An interrupted pipelined fit continued with num_steps = step + 1 applies one
+  update and keeps the next batch in flight, in its checkpoint too."""
   batches = make_batches(7, seed=80)
   trainer = make_trainer(tmp_path, True)
   history = trainer.fit(batches, callbacks=[stop_at(3)])
   assert history.interrupted and trainer._loop.in_flight is not None
   history = trainer.fit(batches, num_steps=4)
   assert history.final_step == 4 and int(trainer.state.step) == 4
-  # The checkpoint of step 4 says 4 batches were consumed: the one fit pulled
-  # ahead was not used.
-  assert trainer._checkpoints.read_data_state(4)["batches_consumed"] == 4
+  # Batch 4 was looked up before update 4, as in a run that goes on: it is in
+  # flight, and the checkpoint of step 4 counts it as consumed.
+  assert trainer._loop.in_flight is not None
+  assert trainer._checkpoints.read_data_state(4)["batches_consumed"] == 5
+  resumed = make_trainer(tmp_path, True)
+  assert resumed.fit(batches).resumed_from == 4
+  reference = make_trainer(None, True)
+  reference.fit(batches)
+  assert_same_run(resumed, reference)
+
+
+@pytest.mark.parametrize("num_steps", [1, 3, 6])
+@pytest.mark.parametrize("pipelining", [True, False])
+def test_a_fit_that_reached_num_steps_resumes_like_one_run(tmp_path, pipelining, num_steps):
+  """fit(num_steps=k), then a new Trainer's fit: the same as one fit to the end.
+
+  Only the final checkpoint is written (no save_every), so the pipelined run's
+  final checkpoint must hold the lookup of batch k from the tables before
+  update k, as an uninterrupted run computes it; a drained pipeline would
+  look batch k up after update k.
+  """
+  batches = make_batches(8, seed=82)
+
+  def trainer(workdir):
+    return Trainer(LinearHead(), make_specs(Adagrad(0.3)), mse, optax.adam(0.05),
+                   mesh=mesh_of(1), pipelining=pipelining, progress="off", padding_id=-1,
+                   workdir=workdir)
+
+  first = trainer(tmp_path)
+  assert first.fit(batches, num_steps=num_steps).final_step == num_steps
+  assert first.latest_checkpoint_step() == num_steps
+  second = trainer(tmp_path)
+  history = second.fit(batches)
+  assert history.resumed_from == num_steps and history.final_step == 8
+  reference = trainer(None)
+  reference.fit(batches)
+  assert_same_run(second, reference)
 
 
 @pytest.mark.parametrize("num_steps", [3, 4, 5])
