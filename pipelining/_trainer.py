@@ -496,13 +496,17 @@ class Trainer:
       self._finish_saves_after_error()
       raise
     finally:
-      prefetcher.close()
-      history.dropped_ids = self._dropped_ids - dropped_before
-      restore_handlers(previous_handlers)
-      if progress is not None:
-        progress.close()
-      for callback in callbacks:
-        callback.on_fit_end(self, history)
+      try:
+        # Waits (boundedly) for the prefetch thread, which may be stuck in the
+        # user's iterator: a second Ctrl-C may interrupt it (_signals).
+        prefetcher.close()
+        history.dropped_ids = self._dropped_ids - dropped_before
+        if progress is not None:
+          progress.close()
+        for callback in callbacks:
+          callback.on_fit_end(self, history)
+      finally:
+        restore_handlers(previous_handlers)
 
   def _open_data(self, train_data: Iterable[Any], epochs: int | None) -> Prefetcher:
     """The prefetched stream of staged batches, from where the data stands."""

@@ -1,0 +1,55 @@
+"""Stop signals during fit: the first asks for a stop, a second Ctrl-C aborts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from test_resume import make_trainer
+from test_trainer import make_batches
+
+
+def _hanging_after(batches, index: int, hang_s: float, ready):
+  """Yields `batches`; before batch `index` (once `ready()`, so the steps before
+  it have run) it sends SIGINT twice, then hangs."""
+  for position, batch in enumerate(batches):
+    if position == index:
+      deadline = time.monotonic() + 60
+      while not ready() and time.monotonic() < deadline:
+        time.sleep(0.05)
+      for _ in range(2):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.3)  # two separate deliveries, not one coalesced signal
+      time.sleep(hang_s)
+    yield batch
+
+
+@pytest.mark.parametrize("pipelining", [True, False])
+def test_a_second_ctrl_c_aborts_a_fit_whose_data_hangs(tmp_path, pipelining):
+  before = signal.getsignal(signal.SIGINT)
+  trainer = make_trainer(tmp_path, pipelining)
+  with pytest.raises(KeyboardInterrupt, match="second SIGINT"):
+    trainer.fit(_hanging_after(make_batches(8, seed=90), 4, hang_s=2.0,
+                               ready=lambda: (trainer.latest_checkpoint_step() or 0) >= 2))
+  assert signal.getsignal(signal.SIGINT) is before
+  # The checkpoints written before the abort are intact: a new fit resumes.
+  resumed = make_trainer(tmp_path, pipelining)
+  history = resumed.fit(make_batches(8, seed=90))
+  assert history.resumed_from is not None and history.resumed_from >= 2
+  assert history.final_step == 8
+
+
+def test_one_signal_stops_after_the_step_and_saves(tmp_path):
+  trainer = make_trainer(tmp_path, True)
+
+  def batches():
+    for position, batch in enumerate(make_batches(8, seed=91)):
+      if position == 3:
+        os.kill(os.getpid(), signal.SIGINT)
+      yield batch
+
+  history = trainer.fit(batches())
+  assert history.interrupted and trainer.latest_checkpoint_step() == history.final_step
