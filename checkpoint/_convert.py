@@ -195,9 +195,14 @@ def convert(
 
 
 def _check_every_table_placed(reader, target: EmbeddingLayout) -> None:
-  """Raises if the target layout lacks tables of the checkpoint (they would be dropped)."""
+  """Raises if the target layout lacks tables of the checkpoint (they would be dropped).
+
+  A target naming tables the checkpoint lacks is left to `assemble_stacked`,
+  whose MissingTableError names them.
+  """
   missing = [name for name in reader.table_names if name not in target.table_names]
-  if missing:
+  extra = [name for name in target.table_names if name not in reader.table_names]
+  if missing and not extra:
     raise IncompatibleCheckpointError(
         f"the target layout has no place for tables {missing} of the checkpoint"
         f" {reader.directory} (the layout holds {sorted(target.table_names)}, the checkpoint"
