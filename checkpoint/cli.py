@@ -94,11 +94,21 @@ def _parser() -> argparse.ArgumentParser:
       "--unstacked", action="store_true", help="write one plain array per table and slot"
   )
   conv.add_argument(
-      "--compression", choices=["none", "zstd", "blosc"], help="default: as the source"
+      "--compression", choices=["none", "zstd", "blosc"],
+      help="chunk compression of the output, at the codec's default level (default: as the"
+      " source, level included)",
   )
-  conv.add_argument("--checksum", choices=["crc32c", "none"], help="default: as the source")
-  conv.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
-  conv.add_argument("--quiet", action="store_true", help="no progress output")
+  conv.add_argument(
+      "--checksum", choices=["crc32c", "none"],
+      help="per-chunk CRC32C of the output (default: as the source)",
+  )
+  conv.add_argument(
+      "--overwrite", action="store_true",
+      help="replace DST if it exists (once the new one is complete)",
+  )
+  conv.add_argument(
+      "--quiet", action="store_true", help="no progress lines on stderr (errors still print)"
+  )
   _add_verify(commands)
   _add_compact(commands)
   return parser
