@@ -59,7 +59,8 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
   parser = _Parser(
-      prog="sc-checkpoint", description="Inspect, verify, convert and compact embedding-table checkpoints.",
+      prog="sc-checkpoint",
+      description="Inspect, verify, convert and compact embedding-table checkpoints.",
       allow_abbrev=False,
   )
   commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)

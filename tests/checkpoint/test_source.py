@@ -174,7 +174,9 @@ def test_every_step_of_a_delta_chain_is_verified(tmp_path):
   written = ck.convert(root / "1", tmp_path / "full", "unstacked")
   _check_tables(model, written)
   damaged = root / "0" / "embedding" / "layout.json"
-  damaged.write_text(damaged.read_text().replace('"vocabulary_size": 120', '"vocabulary_size": 119'))
+  text = damaged.read_text()
+  assert '"vocabulary_size": 120' in text
+  damaged.write_text(text.replace('"vocabulary_size": 120', '"vocabulary_size": 119'))
   with pytest.raises(ck.CorruptCheckpointError, match="integrity check") as raised:
     ck.convert(root / "1", tmp_path / "out", "unstacked")
   assert str(damaged) in str(raised.value)
