@@ -52,6 +52,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import os
+import warnings
 from collections.abc import Callable
 from typing import Literal
 
@@ -64,7 +65,9 @@ from checkpoint._direct import ChunkCache
 from checkpoint._format import MANIFEST_FILE, Manifest, array_dir, numpy_dtype
 from checkpoint._assembly import assemble_stacked, build_block
 from checkpoint._chain import open_reader
+from checkpoint._errors import IncompatibleCheckpointError
 from checkpoint._reader import find_item
+from checkpoint._source import verify_source
 from checkpoint._storage import StorageOptions, host_buffer
 from sc_framework.host_allocator import return_freed_memory
 from sc_framework.stacking import EmbeddingLayout
@@ -100,6 +103,15 @@ def convert(
   state, metadata) copied unchanged. The result appears at `dst` only when
   complete (it is written under a temporary name and renamed).
 
+  Nothing unverified reaches the output, whose step gets a fresh integrity
+  manifest: every file read is first checked against the manifest of the
+  step holding it (`_source.verify_source`: the JSON files and copied items
+  by size and CRC32C, chunks by size, their own CRC32C being checked as they
+  are read); a step without a manifest is refused (`sc-checkpoint verify
+  --adopt` gives it one), and files its manifest does not list are not
+  copied (a RuntimeWarning names them). A bare item (no step around it) has
+  only its chunks' checksums.
+
   Args:
     src: the source checkpoint.
     dst: where to write; must not exist unless `overwrite`.
@@ -125,6 +137,11 @@ def convert(
   Raises:
     NotACheckpointError, MissingTableError, IncompatibleCheckpointError,
     SlotMismatchError, CorruptCheckpointError: as for restore.
+    NotACheckpointError: `src` is (or lies in) a step without an integrity
+      manifest.
+    CorruptCheckpointError: a file of the source fails its step's manifest
+      (naming every such file) or a chunk its checksum.
+    IncompatibleCheckpointError: `target` lacks tables of the checkpoint.
     FileExistsError: `dst` exists and overwrite is False.
     ValueError: the step's other items (those copied as they are) contain a
       symbolic link.
@@ -139,20 +156,25 @@ def convert(
     raise FileExistsError(f"{dst} already exists; choose another destination or pass overwrite.")
   if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes <= 0:
     raise ValueError(f"block_bytes must be a positive int, got {block_bytes!r}.")
+  if target != "unstacked" and not isinstance(target, EmbeddingLayout):
+    raise TypeError(f"target must be an EmbeddingLayout or 'unstacked', got {target!r}.")
+  # Every file read below is checked against its step's manifest first: the
+  # output gets a fresh manifest, so nothing unverified may reach it.
+  foreign = verify_source(src, item)
   cache = ChunkCache(_CACHE_BLOCKS * block_bytes)
   # A delta step converts as its chain (base + deltas).
   reader = open_reader(src if item is None else item, chunk_cache=cache)
+  if target != "unstacked":
+    _check_every_table_placed(reader, target)
   storage = storage or reader.manifest.storage
   tmp = dst.parent / (dst.name + _TMP_SUFFIX)
   if tmp.exists():
     tmp.rmtree()
-  if target != "unstacked" and not isinstance(target, EmbeddingLayout):
-    raise TypeError(f"target must be an EmbeddingLayout or 'unstacked', got {target!r}.")
   tmp.mkdir(parents=True)
   try:
     if item is not None and item != src:
-      _check_other_items(src, skip=item.name)
-      _copy_other_items(src, tmp, skip=item.name)
+      _warn_left_out(foreign)
+      _copy_other_items(src, tmp, skip=item.name, leave={os.fspath(p.path) for p in foreign})
       out = tmp / item.name
       out.mkdir()
     else:
@@ -172,25 +194,46 @@ def convert(
   return dst if item is None or item == src else dst / item.name
 
 
-def _check_other_items(step: epath.Path, *, skip: str) -> None:
-  """Verifies the step's other items against its integrity manifest, if it has one."""
-  if not (step / _integrity.INTEGRITY_FILE).exists():
-    return  # A step written without a manifest: only links are refused (below).
-  items = {child.name for child in step.iterdir() if child.name != skip}
-  items -= _integrity.COMMIT_FILES | {_integrity.INTEGRITY_FILE}
-  problems = _integrity.check_step(step, depth="items", items=sorted(items))
-  _integrity.raise_for(problems, f"the checkpoint step {step} being converted")
+def _check_every_table_placed(reader, target: EmbeddingLayout) -> None:
+  """Raises if the target layout lacks tables of the checkpoint (they would be dropped).
+
+  A target naming tables the checkpoint lacks is left to `assemble_stacked`,
+  whose MissingTableError names them.
+  """
+  missing = [name for name in reader.table_names if name not in target.table_names]
+  extra = [name for name in target.table_names if name not in reader.table_names]
+  if missing and not extra:
+    raise IncompatibleCheckpointError(
+        f"the target layout has no place for tables {missing} of the checkpoint"
+        f" {reader.directory} (the layout holds {sorted(target.table_names)}, the checkpoint"
+        f" {sorted(reader.table_names)}); a conversion keeps every table. Give a layout built"
+        " for all of them."
+    )
 
 
-def _copy_other_items(src: epath.Path, dst: epath.Path, *, skip: str) -> None:
+def _warn_left_out(foreign) -> None:
+  """Names the entries of the source step its manifest does not list: they are not copied."""
+  for problem in foreign:
+    warnings.warn(
+        f"{problem.path} is not in the integrity manifest of the step being converted (not"
+        " written by the checkpoint manager): it is not copied into the output.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def _copy_other_items(src: epath.Path, dst: epath.Path, *, skip: str, leave: set[str]) -> None:
   """Copies the step's other items (dense state, metadata) file by file.
 
-  A symbolic link is refused, not followed: following it could copy files
-  from outside the checkpoint into the output, or recurse without end. The
-  step's integrity manifest is not copied: the converted step gets its own.
+  Entries in `leave` (paths the step's manifest does not list) are not
+  copied: the output's manifest lists only files verified here. A symbolic
+  link is refused, not followed: following it could copy files from outside
+  the checkpoint into the output, or recurse without end (the source check
+  already refuses links; this guards the copy itself). The step's integrity
+  manifest is not copied: the converted step gets its own.
   """
   for child in src.iterdir():
-    if child.name in (skip, _integrity.INTEGRITY_FILE):
+    if child.name in (skip, _integrity.INTEGRITY_FILE) or os.fspath(child) in leave:
       continue
     if os.path.islink(os.fspath(child)):  # False for cloud paths, which have no links
       raise ValueError(
@@ -200,7 +243,7 @@ def _copy_other_items(src: epath.Path, dst: epath.Path, *, skip: str) -> None:
       )
     if child.is_dir():
       (dst / child.name).mkdir()
-      _copy_other_items(child, dst / child.name, skip="")
+      _copy_other_items(child, dst / child.name, skip="", leave=leave)
     else:
       child.copy(dst / child.name)
 

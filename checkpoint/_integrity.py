@@ -366,6 +366,6 @@ def raise_for(problems: Iterable[Problem], what: str) -> None:
     if len(found) > 20:
       lines += f"\n  and {len(found) - 20} more (run `sc-checkpoint verify` for all)"
     raise CorruptCheckpointError(
-        f"{what} failed its integrity check:\n  {lines}\nThe files above are damaged, missing or"
+        f"{what} failed its integrity check:\n  {lines}\nThe files listed are damaged, missing or"
         " links; restore another step (or copy this one again from a good source)."
     )

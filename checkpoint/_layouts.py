@@ -48,7 +48,8 @@ def relayout(
   for stack in layout.stacks:
     for feature in sorted(stack.features, key=lambda f: f.sample_offset):
       by_table.setdefault(feature.table, []).append(feature)
-  order = [name for group in groups for name in group if name in tables]
+  # A table named twice keeps its first place here; `stack_tables` names both groups.
+  order = list(dict.fromkeys(name for group in groups for name in group if name in tables))
   order += [name for name in tables if name not in order]
   features: list[FeatureSpec] = []
   for name in order:

@@ -1,7 +1,7 @@
-"""The `sc-checkpoint` command: inspect and convert embedding checkpoints.
+"""The `sc-checkpoint` command: inspect, verify, convert and compact embedding checkpoints.
 
   sc-checkpoint inspect PATH [--json]
-  sc-checkpoint verify PATH
+  sc-checkpoint verify PATH [--adopt]
   sc-checkpoint convert SRC DST (--layout FILE | --num-devices G
                                  [--shards-per-device S] [--groups 'a,b;c'] | --unstacked)
   sc-checkpoint compact STEP_DIR
@@ -15,6 +15,9 @@ CheckpointManager root (`convert` then takes its latest step; a Trainer's
 checkpoints are in WORKDIR/checkpoints). The target of `convert` is a layout
 JSON file (EmbeddingLayout.to_json), optionally modified by the flags, or the
 source layout modified by the flags, or `--unstacked` for per-table arrays.
+`convert` first checks every file it reads against the source step's
+integrity manifest and refuses a step without one (`verify --adopt` gives
+it one); see `checkpoint._source`.
 Exit status 0 on success, 1 on a checkpoint or conversion error, 2 on bad
 usage; every error is one line on stderr naming the flag or path.
 
@@ -40,6 +43,7 @@ from checkpoint._format import MANIFEST_FILE
 from checkpoint._inspect import format_description, inspect
 from checkpoint._layouts import layout_for_tables, parse_groups, relayout
 from checkpoint._reader import CheckpointReader, find_item
+from checkpoint._source import verify_source
 from checkpoint._storage import StorageOptions
 from checkpoint._verify import adopt_step, verify
 from sc_framework.cli_types import integer_at_least
@@ -55,7 +59,8 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
   parser = _Parser(
-      prog="sc-checkpoint", description="Inspect and convert embedding-table checkpoints.",
+      prog="sc-checkpoint",
+      description="Inspect, verify, convert and compact embedding-table checkpoints.",
       allow_abbrev=False,
   )
   commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -67,7 +72,9 @@ def _parser() -> argparse.ArgumentParser:
   conv = commands.add_parser(
       "convert",
       help="write the checkpoint in another layout (streamed, bounded memory)",
-      description="Convert SRC to another layout (or to per-table arrays) at DST.",
+      description="Convert SRC to another layout (or to per-table arrays) at DST. Every file"
+      " read is first checked against the source step's integrity manifest; a step without"
+      " one is refused (run `sc-checkpoint verify --adopt STEP` first).",
       allow_abbrev=False,
   )
   conv.add_argument(
@@ -88,11 +95,21 @@ def _parser() -> argparse.ArgumentParser:
       "--unstacked", action="store_true", help="write one plain array per table and slot"
   )
   conv.add_argument(
-      "--compression", choices=["none", "zstd", "blosc"], help="default: as the source"
+      "--compression", choices=["none", "zstd", "blosc"],
+      help="chunk compression of the output, at the codec's default level (default: as the"
+      " source, level included)",
   )
-  conv.add_argument("--checksum", choices=["crc32c", "none"], help="default: as the source")
-  conv.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
-  conv.add_argument("--quiet", action="store_true", help="no progress output")
+  conv.add_argument(
+      "--checksum", choices=["crc32c", "none"],
+      help="per-chunk CRC32C of the output (default: as the source)",
+  )
+  conv.add_argument(
+      "--overwrite", action="store_true",
+      help="replace DST if it exists (once the new one is complete)",
+  )
+  conv.add_argument(
+      "--quiet", action="store_true", help="no progress lines on stderr (errors still print)"
+  )
   _add_verify(commands)
   _add_compact(commands)
   return parser
@@ -260,6 +277,9 @@ def _convert(args: argparse.Namespace) -> int:
         " it."
     )
   item = src if (src / MANIFEST_FILE).exists() else find_item(src)
+  # Sizes and small files (the layout read next) against the step's manifest
+  # first; `convert` checks the rest.
+  verify_source(src, item, depth="structure")
   reader = open_reader(src if item is None else item)  # A delta step reads as its chain.
   target = _target(args, reader)
   storage = reader.manifest.storage
@@ -313,8 +333,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _COMMANDS[args.command](args)
   except (CheckpointError, ValueError, TypeError, KeyError, FileExistsError, OSError) as error:
     message = error.args[0] if isinstance(error, KeyError) and error.args else error
-    print(f"sc-checkpoint {args.command}: error: {message}", file=sys.stderr)
+    print(f"sc-checkpoint {args.command}: error: {_one_line(str(message))}", file=sys.stderr)
     return 1
+
+
+def _one_line(message: str) -> str:
+  """A message of several lines (a list of damaged files) as one line: '; ' between items."""
+  lines = [line.strip() for line in message.splitlines() if line.strip()]
+  text = lines[0] if lines else ""
+  for line in lines[1:]:
+    text += (" " if text.endswith(":") else "; ") + line
+  return text
 
 
 if __name__ == "__main__":

@@ -40,7 +40,9 @@ def _check(model, path):
 
 def test_help(capsys):
   assert main(["--help"]) == 0
-  assert "convert" in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert "Inspect, verify, convert and compact" in out
+  assert all(command in out for command in ("inspect", "verify", "convert", "compact"))
   assert main(["convert", "--help"]) == 0
   out = capsys.readouterr().out
   assert "--num-devices" in out and "--groups" in out and "--unstacked" in out
@@ -150,6 +152,10 @@ def test_convert_unstacked_and_restack(saved, tmp_path):
             "(D'=16) and 'd' (D'=8) cannot share",
         ),
         (["convert", "{src}", "{tmp}/x", "--layout", "{tmp}/missing.json"], "no such file"),
+        (["convert", "{src}", "{tmp}/x", "--groups", "a,b;c;d;a"],
+         "table 'a' is in stacking groups 0 and 3."),
+        (["convert", "{src}", "{tmp}/x", "--groups", "c;d;a;b;c", "--num-devices", "2"],
+         "table 'c' is in stacking groups 0 and 4."),
         (["inspect", "{tmp}"], "not a checkpoint"),
         (["inspect", "{workdir}"],
          "a Trainer workdir, which keeps its checkpoints in {workdir}/checkpoints: pass that."),
@@ -200,3 +206,26 @@ def test_usage_errors_exit_2(capsys):
   assert unknown.startswith("sc-checkpoint: error: argument command: invalid choice: 'frobnicate'")
   assert missing == (
       "sc-checkpoint convert: error: the following arguments are required: src, dst (see --help)")
+
+
+def test_a_layout_file_lacking_a_table_is_refused_naming_it(saved, tmp_path, capsys):
+  model, _, root = saved
+  fewer = make_model([spec + (Adam(),) for spec in TABLES if spec[0] != "b"], seed=4)
+  layout_file = tmp_path / "layout.json"
+  layout_file.write_text(fewer.layout([["a"], ["c"], ["d"]], 2).to_json())
+  assert main(["convert", str(root / "3"), str(tmp_path / "x"), "--layout", str(layout_file),
+               "--quiet"]) == 1
+  err = capsys.readouterr().err
+  assert "no place for tables ['b']" in err and err.count("\n") == 1, err
+  assert not (tmp_path / "x").exists()
+
+
+def test_an_integrity_failure_is_one_line_naming_every_file(saved, tmp_path, capsys):
+  _, _, root = saved
+  damaged = [root / "3" / "data" / "metadata", root / "3" / "embedding" / "layout.json"]
+  for path in damaged:
+    path.write_text(path.read_text() + " ")
+  assert main(["convert", str(root / "3"), str(tmp_path / "x"), "--unstacked", "--quiet"]) == 1
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and all(str(path) in err for path in damaged), err
+  assert "failed its integrity check: " in err and not (tmp_path / "x").exists()

@@ -203,6 +203,16 @@ def test_failed_conversion_leaves_nothing_behind(tmp_path):
   assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
 
 
+def test_a_target_layout_lacking_tables_of_the_checkpoint_is_refused(tmp_path):
+  """A table the target has no place for would be dropped: the error names it."""
+  _saved(tmp_path / "a")
+  fewer = make_model([spec + (Adam(),) for spec in TABLES if spec[0] != "c"], seed=2)
+  target = fewer.layout([["a", "b"], ["d"]], 4)
+  with pytest.raises(ck.IncompatibleCheckpointError, match=r"no place for tables \['c'\]"):
+    ck.convert(tmp_path / "a", tmp_path / "b", target)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
+
+
 def test_a_symbolic_link_in_the_step_directory_is_refused_not_followed(tmp_path):
   model = make_model([spec + (Adam(),) for spec in TABLES], seed=4)
   layout = model.layout([["a", "b"], ["c"], ["d"]], 8)

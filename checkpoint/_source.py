@@ -1,0 +1,100 @@
+"""The source of a conversion, verified against its integrity manifests before it is read.
+
+A conversion writes a fresh integrity manifest for its output, so whatever
+it reads unverified would come out looking sound. Before anything is read,
+every file a conversion of `src` reads is checked against the manifest of
+the step that holds it (`_integrity.check_step`):
+
+  src a step directory     every item of the step (the embedding item, and
+                           the items copied as they are);
+  src an item in a step    that item, against its step's manifest (a step:
+                           its parent holds integrity.json, or Orbax's
+                           `_CHECKPOINT_METADATA`);
+  src a bare item          (written by `convert` to a directory of its own)
+                           no manifest: its chunks' own CRC32C trailers are
+                           checked as they are read, as `verify` does;
+  a delta item             also the embedding item of every earlier step of
+                           its chain (base and earlier deltas), which the
+                           conversion reads too.
+
+Depth 'items' (what `convert` asks for) checks every file's size and, where
+the manifest records one, its CRC32C: the JSON files (the item's manifest,
+layout, zarr metadata), the copied items' files and the chunk files stored
+without the zarr crc32c codec. Chunks stored with that codec are checked for
+size only here: their CRC32C is their trailer, checked as the conversion
+reads them (`_direct`, TensorStore), so they are read once.
+
+A step without an integrity manifest (written before manifests existed, or
+copied without it) is refused, as a restore refuses it: `sc-checkpoint
+verify --adopt STEP` checks it and writes its manifest.
+"""
+
+from __future__ import annotations
+
+from etils import epath
+
+from checkpoint import _integrity
+from checkpoint._chain import walk_chain
+from checkpoint._errors import NotACheckpointError
+from checkpoint._integrity import Depth, Problem
+
+_ORBAX_STEP_METADATA = "_CHECKPOINT_METADATA"
+
+
+def verify_source(
+    src: epath.Path, item: epath.Path | None, *, depth: Depth = "items"
+) -> list[Problem]:
+  """Checks every file a conversion of `src` (embedding item `item`) reads; see the module doc.
+
+  Args:
+    src: the source: a step directory or an embedding item.
+    item: the embedding item (`src` itself, or the one inside the step);
+      None when there is none, which the reader reports.
+    depth: `_integrity.Depth`; 'structure' checks sizes and small files
+      only (a cheap check before the source's layout is read).
+
+  Returns:
+    The source step's foreign entries (files its manifest does not list),
+    which a conversion leaves out of its output.
+
+  Raises:
+    CorruptCheckpointError: a file is missing, truncated, changed or a
+      symbolic link, or a manifest is damaged; naming every such file.
+    NotACheckpointError: a step without an integrity manifest.
+  """
+  if item is None:
+    return []
+  if item != src:
+    step, items = src, None
+  else:
+    step, items = _step_of(item), [item.name]
+  if step is None:
+    return []  # A bare item: its chunks' checksums are checked as read.
+  problems = _check(step, items, depth)
+  for link, _ in walk_chain(item)[:-1]:  # The earlier steps of a delta's chain.
+    _check(link.parent, [link.name], depth)
+  return [problem for problem in problems if problem.severity == "foreign"]
+
+
+def _step_of(item: epath.Path) -> epath.Path | None:
+  """The step directory holding an embedding item, or None for a bare item."""
+  step = item.parent
+  integrity = step / _integrity.INTEGRITY_FILE
+  if _integrity.is_link(integrity) or integrity.exists():
+    return step
+  return step if (step / _ORBAX_STEP_METADATA).exists() else None
+
+
+def _check(step: epath.Path, items: list[str] | None, depth: Depth) -> list[Problem]:
+  integrity = step / _integrity.INTEGRITY_FILE
+  if not _integrity.is_link(step) and not _integrity.is_link(integrity) and not integrity.exists():
+    raise NotACheckpointError(
+        f"checkpoint step {step} has no {_integrity.INTEGRITY_FILE} (written by a version without"
+        " integrity checks, or copied without it), so its files cannot be verified; it is not"
+        " converted, as it is not restored. Check it and write its manifest with"
+        f" `sc-checkpoint verify --adopt {step}` (the step directory must be named by its step"
+        " number), then convert again."
+    )
+  problems = _integrity.check_step(step, depth=depth, items=items)
+  _integrity.raise_for(problems, f"the checkpoint step {step} being converted")
+  return problems
