@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -137,11 +138,24 @@ def machine_info() -> dict[str, Any]:
   }
 
 
+def _strict(value: Any) -> Any:
+  """`value` with NaN and infinities (figures that do not apply) as None: JSON has neither."""
+  if isinstance(value, float) and not math.isfinite(value):
+    return None
+  if isinstance(value, Mapping):
+    return {key: _strict(item) for key, item in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_strict(item) for item in value]
+  return value
+
+
 def write_json(path: str | None, payload: dict[str, Any]) -> None:
-  """Writes payload plus machine_info() to `path` (nothing when path is None)."""
+  """Writes payload plus machine_info() to `path` (nothing when path is None),
+  as standard JSON: a figure that is NaN or infinite is written as null."""
   if path is None:
     return
   with open(path, "w") as f:
-    json.dump({**payload, "machine": machine_info()}, f, indent=1, sort_keys=True)
+    json.dump(_strict({**payload, "machine": machine_info()}), f, indent=1, sort_keys=True,
+              allow_nan=False)
     f.write("\n")
   print(f"wrote {path}")

@@ -312,7 +312,7 @@ def check_rows_addressable(layout: EmbeddingLayout) -> None:
           f"layout stack {stack.name!r} (tables {list(stack.table_names)}) puts"
           f" {per_device:,} rows on each of its {layout.num_devices} devices; row indices are"
           f" int32, so at most {MAX_ROWS_PER_DEVICE:,} fit one device. Shard it over at least"
-          f" {needed} devices, or split the table."
+          f" {needed} devices, or stack fewer tables together."
       )
 
 
