@@ -88,7 +88,7 @@ def check_batch(plan: EmbeddingPlan, batch: Mapping[str, Any], owner: str) -> No
         " looks the tables up itself and calls its model as model(activations, dense): give it"
         " the dense part of a model, without embedding layers.)"
     )
-  check_plan_batch(plan, batch, f"{owner}: the batch")
+  check_plan_batch(plan, batch, f"{owner}: batch")
 
 
 # --- the tap -------------------------------------------------------------------
