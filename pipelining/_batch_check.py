@@ -42,8 +42,9 @@ _CHECKED: dict[str, tuple[str, ...]] = {
     "training": ("dense", "labels"), "evaluation": ("dense", "labels"),
     "prediction": ("dense",),
 }
+_METHOD = {"training": "fit", "evaluation": "evaluate", "prediction": "predict"}
 _WHY = {
-    "sparse": "every batch needs the ids of its sparse features: {'feature name': ids, ...}.",
+    "sparse": "every batch needs the ids of its sparse features: {{'feature name': ids, ...}}.",
     "labels": ("{use} needs labels: loss_fn(predictions, labels) computes the loss from them."
                " Add them (an array or pytree with one row per sample), or call predict, which"
                " needs only 'sparse' and 'dense'."),
@@ -85,10 +86,8 @@ def check_entries(raw: Any, use: BatchUse, where: str) -> None:
   for entry in _NEEDED[use]:
     if raw.get(entry) is None:
       has = f"has {entry!r}: None" if entry in raw else f"has no {entry!r} entry"
-      verb = {"training": "fit", "evaluation": "evaluate", "prediction": "predict"}[use]
-      raise ValueError(
-          f"{where} {has} (its keys are {sorted(map(str, raw))}); " + _WHY[entry].format(use=verb)
-      )
+      raise ValueError(f"{where} {has} (its keys are {sorted(map(str, raw))}); "
+                       + _WHY[entry].format(use=_METHOD[use]))
 
 
 def check_rows(shapes: Shapes, entry: str, rows: Sequence[int], samples: str, where: str) -> None:

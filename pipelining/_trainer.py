@@ -434,9 +434,12 @@ class Trainer:
         applied; the error names its position in the data stream). With
         save_on_nonfinite the last finite state is saved first, the batch
         recorded there as skipped (see `TrainerConfig.save_on_nonfinite`).
-      ValueError: a batch's dense features or labels differ in structure,
-        shape or dtype from the first batch's, or the labels would broadcast
-        against the predictions (`pipelining._batch_check`).
+      ValueError: a batch lacks "sparse" or "labels", a dense feature or
+        label has a leading dimension other than the batch size, the dense
+        features or labels differ in structure, shape or dtype from the first
+        batch's, or the labels would broadcast against the predictions
+        (`pipelining._batch_check`); the message names the batch's position.
+      TypeError: a batch that is not a dict.
     """
     check_count("num_steps", num_steps, minimum=0, optional=True)
     check_count("eval_every", eval_every, minimum=1, optional=True)
