@@ -195,6 +195,7 @@ class Trainer:
 
     Returns global arrays: with several processes, each process's slice
     becomes its devices' part of the global batch (`pipelining._placement`).
+    The batch is checked as a training batch (labels needed).
     """
     return self._stage(raw, "training", None).batch
 
@@ -366,7 +367,8 @@ class Trainer:
     a newer checkpoint.
 
     Args:
-      example_batch: a raw batch (its shapes initialise the dense model).
+      example_batch: a raw training batch, with labels (its shapes initialise
+        the dense model).
 
     Returns:
       The TrainState (also `trainer.state`).

@@ -1,4 +1,4 @@
-"""Every batch is checked up front: its entries, one row per sample, and the first batch's shapes."""
+"""Every batch is checked up front: its entries, one row per sample, the first batch's shapes."""
 
 from __future__ import annotations
 

@@ -62,12 +62,12 @@ def make_trainer(model=None, loss=mse, **options):
 def reference_predictions(trainer, batches):
   tables = logical_tables(trainer)
   params = jax.device_get(trainer.state.params)
-  return np.concatenate([
-      np.asarray(LinearHead().apply(
-          {"params": params},
-          {k: jnp.asarray(v, jnp.float32) for k, v in reference_lookup(tables, b["sparse"]).items()},
-          b["dense"]))
-      for b in batches])
+  def predictions(batch):
+    activations = reference_lookup(tables, batch["sparse"])
+    activations = {k: jnp.asarray(v, jnp.float32) for k, v in activations.items()}
+    return np.asarray(LinearHead().apply({"params": params}, activations, batch["dense"]))
+
+  return np.concatenate([predictions(b) for b in batches])
 
 
 def test_predict_needs_no_labels_and_never_calls_the_loss():
