@@ -1,27 +1,60 @@
-"""Checks of the dense features and labels of every batch, before they reach the model.
+"""Checks of every batch before it is staged: its entries, its rows, and the first batch.
 
-The model, the optimizer state and the compiled steps are built from the
-first batch, so every later batch must have its structure, shapes and dtypes
-(dtypes as JAX will hold them: float64 becomes float32 without x64). A
-mismatch raises here, naming the entry and both shapes, instead of deep
-inside the user's model or as a recompilation.
+A batch is a dict with "sparse" (always), "dense" (the model's dense
+features, may be absent or None) and "labels" (needed by fit and evaluate,
+which give them to the loss; predict neither needs nor reads them). Before a
+batch is preprocessed, `BatchChecker.check` refuses, naming the batch's
+position in its data, the entry and expected vs actual:
+
+  * a batch that is not a dict, or lacks an entry its use needs;
+  * a dense feature or label whose leading dimension is not the batch's
+    number of samples (this process's share of the FeatureSpecs' batch
+    size): one row per sample;
+  * a batch whose dense features or labels differ in structure, shape or
+    dtype from the first batch that had them (dtypes as JAX will hold them:
+    float64 becomes float32 without x64). The model, the optimizer state and
+    the compiled steps were built from the first batch.
 
 Labels whose shape differs from the predictions' are refused where an
-elementwise loss would broadcast them into a larger array: labels [B, 1]
-against predictions [B] give (predictions - labels) of shape [B, B], a loss
-that trains silently on the wrong thing.
+elementwise loss would broadcast them into a larger array
+(`check_labels_fit_predictions`): labels [B, 1] against predictions [B] give
+(predictions - labels) of shape [B, B], a loss that trains silently on the
+wrong thing.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 import jax
 import numpy as np
 
+BatchUse = Literal["training", "evaluation", "prediction"]
 
-def _describe(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+# The entries each use needs (present and not None), and those it checks.
+_NEEDED: dict[str, tuple[str, ...]] = {
+    "training": ("sparse", "labels"), "evaluation": ("sparse", "labels"),
+    "prediction": ("sparse",),
+}
+_CHECKED: dict[str, tuple[str, ...]] = {
+    "training": ("dense", "labels"), "evaluation": ("dense", "labels"),
+    "prediction": ("dense",),
+}
+_METHOD = {"training": "fit", "evaluation": "evaluate", "prediction": "predict"}
+_WHY = {
+    "sparse": "every batch needs the ids of its sparse features: {{'feature name': ids, ...}}.",
+    "labels": ("{use} needs labels: loss_fn(predictions, labels) computes the loss from them."
+               " Add them (an array or pytree with one row per sample), or call predict, which"
+               " needs only 'sparse' and 'dense'."),
+}
+
+Shapes = dict[str, tuple[tuple[int, ...], str]]
+
+
+def describe(tree: Any) -> Shapes:
+  """Leaf path ("['user']", "" for a single array) -> (shape, dtype as JAX holds it)."""
   leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
   return {
       jax.tree_util.keystr(path): (
@@ -32,44 +65,120 @@ def _describe(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
   }
 
 
-@dataclasses.dataclass(frozen=True)
-class BatchSpec:
-  """The structure, shapes and dtypes of a batch's "dense" and "labels" entries.
+def batch_name(use: BatchUse, index: int | None) -> str:
+  """How messages name a batch: "batch 3 of the training data" (0-based), or "a batch"."""
+  return "a batch" if index is None else f"batch {index} of the {use} data"
 
-  Attributes:
-    entries: entry name ("dense", "labels") -> leaf path -> (shape, dtype).
+
+def check_entries(raw: Any, use: BatchUse, where: str) -> None:
+  """Raises unless `raw` is a dict holding every entry `use` needs.
+
+  Raises:
+    TypeError: `raw` is not a dict.
+    ValueError: a needed entry is absent or None, naming it and the keys present.
+  """
+  if not isinstance(raw, Mapping):
+    raise TypeError(
+        f"{where} is a {type(raw).__name__}, not a dict; a batch is a dict with 'sparse'"
+        " (feature name -> ids), 'dense' (the model's dense features) and 'labels' (for fit"
+        " and evaluate)."
+    )
+  for entry in _NEEDED[use]:
+    if raw.get(entry) is None:
+      has = f"has {entry!r}: None" if entry in raw else f"has no {entry!r} entry"
+      raise ValueError(f"{where} {has} (its keys are {sorted(map(str, raw))}); "
+                       + _WHY[entry].format(use=_METHOD[use]))
+
+
+def check_rows(shapes: Shapes, entry: str, rows: Sequence[int], samples: str, where: str) -> None:
+  """Raises ValueError unless every leaf of `entry` has a leading dimension in `rows`.
+
+  Args:
+    shapes: `describe` of the entry.
+    entry: "dense" or "labels".
+    rows: the allowed leading dimensions (one per distinct FeatureSpec batch size).
+    samples: what `rows` are, for the message ("the FeatureSpecs' batch size").
+    where: `batch_name` of the batch.
+  """
+  for path, (shape, _) in shapes.items():
+    if shape[:1] in [(r,) for r in rows]:
+      continue
+    want = " or ".join(map(str, rows))
+    got = f"leading dimension {shape[0]}" if shape else "no leading dimension"
+    raise ValueError(
+        f"{where}: {entry}{path} has shape {shape}, {got}, but the batch has {want} samples"
+        f" ({samples}); labels and dense features need one row per sample, leading dimension"
+        f" {want}. Feed {entry}{path} of shape {(rows[0],) + shape[1:]} or change the"
+        " FeatureSpecs' batch size."
+    )
+
+
+def check_like_first(entry: str, first: Shapes, shapes: Shapes, where: str) -> None:
+  """Raises ValueError unless `shapes` (of a later batch) equal `first` (the first batch's).
+
+  The message names the entry and leaf ("dense['user']"), both shapes and
+  dtypes, or both sets of leaves when the structure differs.
+  """
+  if set(shapes) != set(first):
+    raise ValueError(
+        f"{where}: its {entry!r} entry has the leaves {sorted(shapes) or 'none'} but the first"
+        f" batch's had {sorted(first) or 'none'}; every batch must have the structure of the"
+        " first (the model was built for it)."
+    )
+  for path, (shape, dtype) in first.items():
+    got_shape, got_dtype = shapes[path]
+    if (got_shape, got_dtype) != (shape, dtype):
+      raise ValueError(
+          f"{where}: {entry}{path} has shape {got_shape} and dtype {got_dtype} but the"
+          f" first batch's had shape {shape} and dtype {dtype}; every batch must have the"
+          " shapes and dtypes of the first (the model and the compiled steps were built"
+          " for them). Feed batches of one size (drop or pad a short last batch) and one"
+          " dtype."
+      )
+
+
+class BatchChecker:
+  """Checks every batch of fit, evaluate and predict before it is staged (see module doc).
+
+  The first batch that has an entry sets its structure, shapes and dtypes:
+  a predict without labels before fit leaves the labels to fit's first
+  batch. Thread-safe (batches are staged on the prefetch thread).
+
+  Args:
+    batch_sizes: the FeatureSpecs' (global) batch sizes.
+    local_devices: L, the devices this process feeds.
+    num_devices: G, the devices of the table axis; a process feeds B * L / G
+      rows of a global batch of B.
   """
 
-  entries: dict[str, dict[str, tuple[tuple[int, ...], str]]]
+  def __init__(self, batch_sizes: Sequence[int], local_devices: int, num_devices: int):
+    sizes = sorted(set(batch_sizes))
+    self._rows = [size * local_devices // num_devices for size in sizes]
+    sizes_text = " or ".join(map(str, sizes))
+    self._samples = ("the FeatureSpecs' batch size" if local_devices == num_devices else
+                     f"this process's share, {local_devices} of {num_devices} devices, of the"
+                     f" FeatureSpecs' global batch size {sizes_text}")
+    self._first: dict[str, Shapes] = {}
+    self._lock = threading.Lock()
 
-  @classmethod
-  def of(cls, dense: Any, labels: Any) -> "BatchSpec":
-    return cls({"dense": _describe(dense), "labels": _describe(labels)})
+  def check(self, raw: Any, use: BatchUse, index: int | None) -> None:
+    """Raises TypeError / ValueError naming the batch (`batch_name`) unless it fits.
 
-  def check(self, other: "BatchSpec") -> None:
-    """Raises ValueError unless `other` (a later batch) matches this (the first).
-
-    The message names the entry and leaf ("dense['user']"), both shapes and
-    dtypes, or both sets of leaves when the structure differs.
+    Args:
+      raw: the batch.
+      use: what it is for; "prediction" needs no labels and does not read them.
+      index: its 0-based position in its data (over all epochs for
+        training), or None when unknown.
     """
-    for entry, want in self.entries.items():
-      got = other.entries[entry]
-      if set(got) != set(want):
-        raise ValueError(
-            f"a batch's {entry!r} entry has the leaves {sorted(got) or 'none'} but the first"
-            f" batch's had {sorted(want) or 'none'}; every batch must have the structure of the"
-            " first (the model was built for it)."
-        )
-      for path, (shape, dtype) in want.items():
-        got_shape, got_dtype = got[path]
-        if (got_shape, got_dtype) != (shape, dtype):
-          raise ValueError(
-              f"a batch's {entry}{path} has shape {got_shape} and dtype {got_dtype} but the"
-              f" first batch's had shape {shape} and dtype {dtype}; every batch must have the"
-              " shapes and dtypes of the first (the model and the compiled steps were built"
-              " for them). Feed batches of one size (drop or pad a short last batch) and one"
-              " dtype."
-          )
+    where = batch_name(use, index)
+    check_entries(raw, use, where)
+    for entry in _CHECKED[use]:
+      shapes = describe(raw.get(entry))
+      check_rows(shapes, entry, self._rows, self._samples, where)
+      with self._lock:
+        first = self._first.setdefault(entry, shapes)
+      if first is not shapes:
+        check_like_first(entry, first, shapes, where)
 
 
 def check_labels_fit_predictions(predictions: Any, labels: Any) -> None:

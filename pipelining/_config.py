@@ -55,7 +55,9 @@ class TrainerConfig:
     progress: "auto" (a bar on a terminal, log lines otherwise), "bar",
       "log" or "off".
     eval_metrics: host metrics computed by evaluate besides the loss:
-      "auc" (binary labels, predictions are scores or logits).
+      "auc" (the default; for binary classifiers: every label 0 or 1, one
+      score or logit per label; other labels raise, naming the shapes or
+      the label). Pass () for any other model.
     padding_id: an id meaning "no id" in dense inputs (e.g. -1), skipped by
       preprocessing; None: every id is real.
     allow_id_dropping: passed to preprocessing; when False an overflowing

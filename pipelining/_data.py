@@ -7,7 +7,9 @@ A batch is a mapping with keys
   "dense":   the dense features (an array [B, F] or any pytree of arrays
              with leading dimension B), passed to the model;
   "labels":  the labels (array or pytree with leading dimension B), passed
-             to loss_fn.
+             to loss_fn; needed by fit and evaluate, ignored by predict.
+
+Every batch is checked before it is preprocessed (`pipelining._batch_check`).
 
 Data position. The stream counts the batches it has handed out
 (`batches_consumed`, over all epochs). When the underlying iterator has

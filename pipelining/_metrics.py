@@ -1,8 +1,46 @@
-"""Host-side metrics over a whole evaluation: ROC AUC and friends."""
+"""Host-side metrics over a whole evaluation: ROC AUC and friends.
+
+ROC AUC is defined for binary labels (every label 0 or 1; booleans count)
+with one score per label: labels and scores of one shape, [B] or [B, K]
+(K binary tasks, pooled). Labels of another kind (class indices, regression
+targets, a pytree) and one score per class are refused, never thresholded.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
+import jax
 import numpy as np
+
+
+def auc_problem(labels: Sequence[Any], scores: Sequence[Any]) -> str | None:
+  """Why ROC AUC is undefined for these batches, or None when it is defined.
+
+  Args:
+    labels: each batch's labels (host arrays or pytrees).
+    scores: each batch's predictions, in the same order.
+
+  Returns:
+    None, or a sentence naming the labels' and predictions' shapes (of one
+    batch) or the first label that is neither 0 nor 1, with its batch and
+    index.
+  """
+  for batch, (label, score) in enumerate(zip(labels, scores)):
+    for name, value in (("labels", label), ("predictions", score)):
+      if not isinstance(value, np.ndarray):
+        return (f"the {name} are a pytree of shapes {jax.tree.map(np.shape, value)}, not one"
+                " array")
+    if label.shape != score.shape:
+      return (f"the labels have shape {label.shape} and the predictions {score.shape} (per"
+              " batch), not one score per label")
+    binary = (label == 0) | (label == 1)
+    if not binary.all():
+      where = np.unravel_index(int(np.flatnonzero(~binary.reshape(-1))[0]), label.shape)
+      return (f"labels{list(map(int, where))} of batch {batch} is {label[where]!s}, not 0"
+              " or 1")
+  return None
 
 
 def roc_auc(labels: np.ndarray, scores: np.ndarray) -> float:
@@ -12,13 +50,24 @@ def roc_auc(labels: np.ndarray, scores: np.ndarray) -> float:
 
   with average ranks for tied scores, P positives and Q negatives.
 
+  Args:
+    labels: binary labels (every label 0 or 1).
+    scores: one score per label (the same shape), any monotone scale
+      (probabilities or logits).
+
   Returns:
     The AUC in [0, 1], or NaN when only one class is present.
+
+  Raises:
+    ValueError: labels that are not binary or scores of another shape
+      (`auc_problem`).
   """
-  labels = np.asarray(labels).reshape(-1) > 0.5
-  scores = np.asarray(scores, np.float64).reshape(-1)
-  if labels.shape != scores.shape:
-    raise ValueError(f"labels {labels.shape} and scores {scores.shape} differ in size.")
+  labels, scores = np.asarray(labels), np.asarray(scores)
+  problem = auc_problem([labels], [scores])
+  if problem is not None:
+    raise ValueError(f"roc_auc needs binary labels with one score each: {problem}.")
+  labels = labels.reshape(-1).astype(bool)
+  scores = scores.astype(np.float64).reshape(-1)
   positives = int(labels.sum())
   negatives = labels.size - positives
   if positives == 0 or negatives == 0:
@@ -34,3 +83,21 @@ def roc_auc(labels: np.ndarray, scores: np.ndarray) -> float:
   ranks[order] = np.repeat(average, ends - starts)
   rank_sum = ranks[labels].sum()
   return float((rank_sum - positives * (positives + 1) / 2.0) / (positives * negatives))
+
+
+def evaluation_auc(labels: Sequence[Any], scores: Sequence[Any]) -> float:
+  """`roc_auc` over an evaluation's batches, for `TrainerConfig.eval_metrics=("auc",)`.
+
+  Raises:
+    ValueError: the model is no binary classifier (`auc_problem`); the
+      message says to pass eval_metrics=() for such a model.
+  """
+  problem = auc_problem(labels, scores)
+  if problem is not None:
+    raise ValueError(
+        f"eval_metrics=('auc',) (the default) computes ROC AUC, which needs binary labels"
+        f" (every label 0 or 1) and one score per label; here {problem}. For a model"
+        " that is not a binary classifier (several classes, regression, pytree labels) pass"
+        " eval_metrics=() to the Trainer: evaluate then reports the loss only."
+    )
+  return roc_auc(np.concatenate(labels), np.concatenate(scores))

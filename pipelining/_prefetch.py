@@ -50,7 +50,8 @@ class Prefetcher:
 
   Args:
     iterator: the raw batches.
-    prepare: raw batch -> prepared batch (runs on the background thread).
+    prepare: (raw batch, its index) -> prepared batch (runs on the
+      background thread; the index lets its errors name the batch).
     depth: the most prepared batches held at once (>= 1).
     start_index: the index of the first batch (for resumed streams).
   """
@@ -58,7 +59,7 @@ class Prefetcher:
   def __init__(
       self,
       iterator: Iterator[Any],
-      prepare: Callable[[Any], Any],
+      prepare: Callable[[Any, int], Any],
       *,
       depth: int = 2,
       start_index: int = 0,
@@ -93,7 +94,7 @@ class Prefetcher:
         except StopIteration:
           break
         position = get_state() if callable(get_state) else None
-        prepared = Prepared(index, self._prepare(raw), position)
+        prepared = Prepared(index, self._prepare(raw, index), position)
         index += 1
         if not self._put(prepared):
           return

@@ -218,8 +218,12 @@ class StepFunctions:
                              in_flight.batch)
 
   def predict_body(self, state: TrainState, batch: DeviceBatch):
-    activations = self.lookup(state, batch)
-    predictions = self.apply_fn(state.params, activations, batch.dense)
+    """The model's predictions; reads neither the labels nor the loss."""
+    return self.apply_fn(state.params, self.lookup(state, batch), batch.dense)
+
+  def evaluate_body(self, state: TrainState, batch: DeviceBatch):
+    """The predictions and the loss's metrics ("loss" and its aux entries)."""
+    predictions = self.predict_body(state, batch)
     loss, aux = loss_and_aux(self.loss_fn(predictions, batch.labels))
     return predictions, {"loss": loss, **_metrics(aux)}
 
@@ -236,6 +240,7 @@ class StepFunctions:
         pipelined_jit=jax.jit(self.pipelined_body, donate_argnums=(0,)),
         drain=jax.jit(self.drain_body, donate_argnums=(0,)),
         predict=jax.jit(self.predict_body),
+        evaluate=jax.jit(self.evaluate_body),
         feature_activations=jax.jit(self.feature_activations),
         stacked_activations=jax.jit(self.stacked_activations),
     )
@@ -255,6 +260,7 @@ class CompiledSteps:
   pipelined_jit: Callable[..., Any]
   drain: Callable[..., Any]
   predict: Callable[..., Any]
+  evaluate: Callable[..., Any]
   feature_activations: Callable[..., Any]
   stacked_activations: Callable[..., Any]
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import re
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -15,7 +16,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from pipelining._batch_check import BatchSpec, check_labels_fit_predictions
+from pipelining._batch_check import BatchChecker, BatchUse, check_labels_fit_predictions
 from pipelining._callbacks import Callback
 from pipelining._config import TrainerConfig, check_count
 from pipelining._data import DataStream, own_position, share_position
@@ -37,7 +38,7 @@ from pipelining._in_flight import (
     local_inputs,
     rows_tree,
 )
-from pipelining._metrics import roc_auc
+from pipelining._metrics import evaluation_auc
 from pipelining._model import DenseModel, as_dense_model
 from pipelining._placement import any_process, global_batch, to_global, to_host
 from pipelining._prefetch import Prefetcher, Prepared
@@ -152,10 +153,12 @@ class Trainer:
     # (and the in-flight batch) where it stopped. A completed fit reads new
     # data from its start.
     self._continue_data = False
-    # The dense features' and labels' shapes and dtypes of the first batch.
-    self._batch_spec: BatchSpec | None = None
-    self._batch_spec_lock = threading.Lock()
+    # Every batch's entries, rows, and shapes against the first batch's.
+    self._batch_checker = BatchChecker([f.batch_size for f in self.plan.feature_specs],
+                                       len(self._local_devices), self.plan.num_devices)
     self._dense_model: DenseModel | None = None
+    # The model's output shapes (global), for the check of the labels.
+    self._prediction_shapes = None
     self._steps = None
     # A stop asked for here (request_stop, a signal) becomes `_stop`, the
     # decision, at the next check; with several processes a request on any
@@ -192,26 +195,24 @@ class Trainer:
 
     Returns global arrays: with several processes, each process's slice
     becomes its devices' part of the global batch (`pipelining._placement`).
+    The batch is checked as a training batch (labels needed).
     """
-    return self._stage(raw).batch
+    return self._stage(raw, "training", None).batch
 
-  def _stage(self, raw: Any) -> Staged:
-    """`prepare`, keeping the raw ids for a layout-free checkpoint of the batch in flight."""
-    if not isinstance(raw, dict) or "sparse" not in raw:
-      raise TypeError(
-          "a batch must be a dict with keys 'sparse' (feature -> ids), 'dense' and 'labels';"
-          f" got {type(raw).__name__}"
-          + (f" with keys {sorted(raw)}" if isinstance(raw, dict) else "")
-          + "."
-      )
-    self._check_batch(raw)
+  def _stage(self, raw: Any, use: BatchUse, index: int | None) -> Staged:
+    """`prepare`, keeping the raw ids for a layout-free checkpoint of the batch in flight.
+
+    The batch is checked first (`pipelining._batch_check`); errors name it as
+    batch `index` of the `use` data. A prediction batch's labels are not read.
+    """
+    self._batch_checker.check(raw, use, index)
     sparse = self._features.ids_by_name(raw["sparse"])
-    return Staged(self._place(self._preprocess(sparse), raw.get("dense"), raw.get("labels")),
-                  sparse)
+    labels = None if use == "prediction" else raw["labels"]
+    return Staged(self._place(self._preprocess(sparse), raw.get("dense"), labels), sparse)
 
-  def _stage_for_training(self, raw: Any) -> Staged:
+  def _stage_for_training(self, raw: Any, index: int) -> Staged:
     """`_stage` for fit: also records the rows the batch will update (incremental saves)."""
-    staged = self._stage(raw)
+    staged = self._stage(raw, "training", index)
     if self._checkpoints is not None:
       self._checkpoints.track(staged.batch.sparse)
     return staged
@@ -229,15 +230,6 @@ class Trainer:
   def _place(self, sparse, dense, labels) -> DeviceBatch:
     return global_batch(sparse, dense, labels, self._batch_sharding(),
                         self.plan.num_devices, len(self._local_devices))
-
-  def _check_batch(self, raw: dict[str, Any]) -> None:
-    """Every batch's dense features and labels have the first batch's shapes and dtypes."""
-    spec = BatchSpec.of(raw.get("dense"), raw.get("labels"))
-    with self._batch_spec_lock:
-      if self._batch_spec is None:
-        self._batch_spec = spec
-        return
-    self._batch_spec.check(spec)
 
   @property
   def dropped_ids(self) -> int:
@@ -277,9 +269,8 @@ class Trainer:
     dense = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), example.dense)
     self._dense_model = as_dense_model(self._model, dense_key, activations, dense)
     self._check_shapes(example)
-    check_labels_fit_predictions(
-        jax.eval_shape(self._dense_model.apply, self._dense_model.params, activations, dense),
-        example.labels)
+    self._prediction_shapes = jax.eval_shape(self._dense_model.apply, self._dense_model.params,
+                                             activations, dense)
     model_apply, to_model = self._dense_model.apply, self._features.activations_for_model
 
     def apply(params, activations_by_name, dense_features):
@@ -376,7 +367,8 @@ class Trainer:
     a newer checkpoint.
 
     Args:
-      example_batch: a raw batch (its shapes initialise the dense model).
+      example_batch: a raw training batch, with labels (its shapes initialise
+        the dense model).
 
     Returns:
       The TrainState (also `trainer.state`).
@@ -444,9 +436,12 @@ class Trainer:
         applied; the error names its position in the data stream). With
         save_on_nonfinite the last finite state is saved first, the batch
         recorded there as skipped (see `TrainerConfig.save_on_nonfinite`).
-      ValueError: a batch's dense features or labels differ in structure,
-        shape or dtype from the first batch's, or the labels would broadcast
-        against the predictions (`pipelining._batch_check`).
+      ValueError: a batch lacks "sparse" or "labels", a dense feature or
+        label has a leading dimension other than the batch size, the dense
+        features or labels differ in structure, shape or dtype from the first
+        batch's, or the labels would broadcast against the predictions
+        (`pipelining._batch_check`); the message names the batch's position.
+      TypeError: a batch that is not a dict.
     """
     check_count("num_steps", num_steps, minimum=0, optional=True)
     check_count("eval_every", eval_every, minimum=1, optional=True)
@@ -525,6 +520,7 @@ class Trainer:
     if example is None:
       return False
     self._build(example)
+    check_labels_fit_predictions(self._prediction_shapes, example.labels)
     self._restore(example, history)
     return True
 
@@ -591,42 +587,57 @@ class Trainer:
 
   # --- evaluation -----------------------------------------------------------------
 
-  def _run_predictions(self, data: Iterable[Any]):
-    predictions, labels, losses, sizes = [], [], [], []
-    with Prefetcher(iter(data), self.prepare, depth=self.config.prefetch_depth) as prefetcher:
+  def _prepared(self, data: Iterable[Any], use: BatchUse) -> Iterator[DeviceBatch]:
+    """The staged batches of `data` (evaluate or predict), built on the first one."""
+    with Prefetcher(iter(data), lambda raw, index: self._stage(raw, use, index).batch,
+                    depth=self.config.prefetch_depth) as prefetcher:
       while (prepared := self._next(prefetcher)) is not None:
         self._build(prepared.batch)
-        preds, metrics = self._steps.predict(self.state, prepared.batch)
-        predictions.append(to_host(preds))
-        labels.append(to_host(prepared.batch.labels))
-        losses.append(float(metrics["loss"]))
-        sizes.append(predictions[-1].shape[0])
-    return predictions, labels, losses, sizes
+        yield prepared.batch
 
   def evaluate(self, data: Iterable[Any]) -> dict[str, float]:
     """Loss (batch-size weighted mean) and the configured metrics; no updates.
 
-    A pipelined trainer evaluates the current tables (any in-flight batch is
-    not applied by evaluation).
+    Every batch needs "sparse" and "labels" (and "dense" if the model reads
+    it). A pipelined trainer evaluates the current tables (any in-flight
+    batch is not applied by evaluation).
+
+    Raises:
+      ValueError: a batch that lacks labels or differs from the first
+        (`pipelining._batch_check`); with eval_metrics=("auc",), labels that
+        are not binary or predictions with other than one score per label
+        (the message says to pass eval_metrics=() for such a model).
     """
-    predictions, labels, losses, sizes = self._run_predictions(data)
+    predictions, labels, losses, sizes = [], [], [], []
+    with contextlib.closing(self._prepared(data, "evaluation")) as batches:
+      for batch in batches:
+        check_labels_fit_predictions(self._prediction_shapes, batch.labels)
+        preds, metrics = self._steps.evaluate(self.state, batch)
+        predictions.append(_host_tree(preds))
+        labels.append(_host_tree(batch.labels))
+        losses.append(float(metrics["loss"]))
+        sizes.append(jax.tree.leaves(predictions[-1])[0].shape[0])
     if not sizes:
       raise ValueError("evaluate got no batches.")
     result = {"loss": float(np.average(losses, weights=sizes))}
     if "auc" in self.config.eval_metrics:
-      result["auc"] = roc_auc(np.concatenate(labels), np.concatenate(predictions))
+      result["auc"] = evaluation_auc(labels, predictions)
     return result
 
-  def predict(self, data: Iterable[Any]) -> np.ndarray:
+  def predict(self, data: Iterable[Any]) -> Any:
     """The model's predictions for every batch of `data`, concatenated.
 
-    With several processes each feeds its slice of every batch and every
-    process gets the predictions of the whole global batches.
+    A batch needs only what the model reads: "sparse" (and "dense"); its
+    labels, if any, are ignored and the loss is not computed. Predictions in
+    a pytree come back in that pytree, each leaf concatenated. With several
+    processes each feeds its slice of every batch and every process gets the
+    predictions of the whole global batches.
     """
-    predictions, _, _, _ = self._run_predictions(data)
+    with contextlib.closing(self._prepared(data, "prediction")) as batches:
+      predictions = [_host_tree(self._steps.predict(self.state, batch)) for batch in batches]
     if not predictions:
       raise ValueError("predict got no batches.")
-    return np.concatenate(predictions)
+    return jax.tree.map(lambda *leaves: np.concatenate(leaves), *predictions)
 
   # --- checkpoints, bookkeeping ---------------------------------------------------
 
@@ -695,3 +706,8 @@ class Trainer:
 
   def _batch_size(self) -> int:
     return max(f.batch_size for f in self.plan.feature_specs)
+
+
+def _host_tree(tree: Any) -> Any:
+  """`to_host` of every leaf: whole global values, on every process."""
+  return jax.tree.map(to_host, tree)

@@ -68,7 +68,8 @@ def make_trainer(workdir=None, *, seed: int = 0, pipelining: bool = True,
                  incremental=None) -> Trainer:
   return Trainer(Head(), make_specs(learning_rate), mse, optax.adam(0.05), pipelining=pipelining,
                  progress="off", padding_id=-1, workdir=workdir, seed=seed, mesh=mesh,
-                 save_every=save_every, incremental=incremental)
+                 save_every=save_every, incremental=incremental,
+                 eval_metrics=())  # regression labels: AUC does not apply
 
 
 def local_batches(trainer: Trainer, batches: list[dict]) -> list[dict]:

@@ -1,4 +1,4 @@
-"""Dense features and labels are checked against the first batch and the predictions."""
+"""Every batch is checked up front: its entries, one row per sample, the first batch's shapes."""
 
 from __future__ import annotations
 
@@ -10,34 +10,94 @@ import optax
 import pytest
 
 from pipelining import Trainer
-from pipelining._batch_check import BatchSpec, check_labels_fit_predictions
+from pipelining._batch_check import BatchChecker, check_labels_fit_predictions
 from sc_framework.optimizers import SGD
 from test_trainer import BATCH, LinearHead, make_batches, make_specs, mesh_of, mse
 
 
-def make_trainer():
+def make_trainer(**options):
   return Trainer(LinearHead(), make_specs(SGD(0.1)), mse, optax.sgd(0.1), mesh=mesh_of(1),
-                 progress="off", padding_id=-1)
+                 progress="off", padding_id=-1, **options)
+
+
+def batch(dense, labels):
+  return {"sparse": {}, "dense": dense, "labels": labels}
 
 
 def test_same_shapes_pass_and_float64_counts_as_float32():
-  first = BatchSpec.of({"x": np.zeros((8, 3), np.float32)}, np.zeros(8, np.float32))
-  first.check(BatchSpec.of({"x": np.ones((8, 3), np.float64)}, np.ones(8, np.float32)))
+  checker = BatchChecker([8], 1, 1)
+  checker.check(batch({"x": np.zeros((8, 3), np.float32)}, np.zeros(8, np.float32)),
+                "training", 0)
+  checker.check(batch({"x": np.ones((8, 3), np.float64)}, np.ones(8, np.float32)), "training", 1)
 
 
 @pytest.mark.parametrize("dense, labels, message", [
-    (np.zeros((6, 3), np.float32), np.zeros(8, np.float32),
-     "dense has shape (6, 3) and dtype float32 but the first batch's had shape (8, 3)"),
     (np.zeros((8, 3), np.float32), np.zeros(8, np.int32),
-     "labels has shape (8,) and dtype int32 but the first batch's had shape (8,) and dtype"
-     " float32"),
+     "batch 1 of the training data: labels has shape (8,) and dtype int32 but the first"
+     " batch's had shape (8,) and dtype float32"),
+    (np.zeros((8, 4), np.float32), np.zeros(8, np.float32),
+     "batch 1 of the training data: dense has shape (8, 4) and dtype float32 but the first"
+     " batch's had shape (8, 3)"),
     ({"x": np.zeros((8, 3), np.float32)}, np.zeros(8, np.float32),
-     "'dense' entry has the leaves [\"['x']\"] but the first batch's had ['']"),
+     "batch 1 of the training data: its 'dense' entry has the leaves [\"['x']\"] but the first"
+     " batch's had ['']"),
 ])
-def test_a_different_batch_names_the_entry_and_both_shapes(dense, labels, message):
-  first = BatchSpec.of(np.zeros((8, 3), np.float32), np.zeros(8, np.float32))
+def test_a_different_batch_names_its_position_the_entry_and_both_shapes(dense, labels, message):
+  checker = BatchChecker([8], 1, 1)
+  checker.check(batch(np.zeros((8, 3), np.float32), np.zeros(8, np.float32)), "training", 0)
   with pytest.raises(ValueError, match=re.escape(message)):
-    first.check(BatchSpec.of(dense, labels))
+    checker.check(batch(dense, labels), "training", 1)
+
+
+@pytest.mark.parametrize("dense, labels, message", [
+    (np.zeros((8, 3)), np.zeros(4),
+     "batch 2 of the evaluation data: labels has shape (4,), leading dimension 4, but the batch"
+     " has 8 samples (the FeatureSpecs' batch size); labels and dense features need one row per"
+     " sample, leading dimension 8. Feed labels of shape (8,)"),
+    ({"u": np.zeros((8, 3)), "v": np.zeros((16, 2))}, np.zeros(8),
+     "dense['v'] has shape (16, 2), leading dimension 16, but the batch has 8 samples"),
+    (np.zeros((8, 3)), {"y": np.zeros(8), "w": np.float32(1.0)},
+     "labels['w'] has shape (), no leading dimension, but the batch has 8 samples"),
+])
+def test_a_leaf_without_one_row_per_sample_is_refused_naming_both(dense, labels, message):
+  with pytest.raises(ValueError, match=re.escape(message)):
+    BatchChecker([8], 1, 1).check(batch(dense, labels), "evaluation", 2)
+
+
+def test_a_process_feeds_its_share_of_the_rows():
+  checker = BatchChecker([16], 2, 8)  # 2 of 8 devices: 4 rows of every global batch of 16
+  checker.check(batch(np.zeros((4, 3)), np.zeros(4)), "training", 0)
+  with pytest.raises(ValueError, match=re.escape(
+      "labels has shape (16,), leading dimension 16, but the batch has 4 samples (this"
+      " process's share, 2 of 8 devices, of the FeatureSpecs' global batch size 16)")):
+    checker.check(batch(np.zeros((4, 3)), np.zeros(16)), "training", 1)
+
+
+@pytest.mark.parametrize("use, raw, error, message", [
+    ("training", {"sparse": {}, "dense": np.zeros((8, 3))}, ValueError,
+     "batch 5 of the training data has no 'labels' entry (its keys are ['dense', 'sparse']);"
+     " fit needs labels"),
+    ("evaluation", {"sparse": {}, "labels": None}, ValueError,
+     "batch 5 of the evaluation data has 'labels': None (its keys are ['labels', 'sparse']);"
+     " evaluate needs labels"),
+    ("prediction", {"dense": np.zeros((8, 3))}, ValueError,
+     "batch 5 of the prediction data has no 'sparse' entry"),
+    ("prediction", [np.zeros((8, 3))], TypeError,
+     "batch 5 of the prediction data is a list, not a dict"),
+])
+def test_a_missing_entry_is_named(use, raw, error, message):
+  with pytest.raises(error, match=re.escape(message)):
+    BatchChecker([8], 1, 1).check(raw, use, 5)
+
+
+def test_prediction_batches_need_no_labels_and_set_none():
+  checker = BatchChecker([8], 1, 1)
+  checker.check({"sparse": {}, "dense": np.zeros((8, 3))}, "prediction", 0)
+  # The first batch with labels sets them, whatever preceded it.
+  checker.check(batch(np.zeros((8, 3)), np.zeros((8, 2))), "training", 0)
+  with pytest.raises(ValueError, match=re.escape("labels has shape (8,) and dtype float32 but"
+                                                 " the first batch's had shape (8, 2)")):
+    checker.check(batch(np.zeros((8, 3)), np.zeros(8)), "evaluation", 0)
 
 
 @pytest.mark.parametrize("predictions, labels, refused", [
@@ -61,8 +121,8 @@ def test_labels_that_would_broadcast_are_refused(predictions, labels, refused):
 
 def test_fit_refuses_labels_of_another_shape_than_the_predictions():
   batches = make_batches(2, seed=100)
-  for batch in batches:
-    batch["labels"] = batch["labels"][:, None]
+  for b in batches:
+    b["labels"] = b["labels"][:, None]
   with pytest.raises(ValueError, match=re.escape(
       f"labels have shape ({BATCH}, 1) but the model's predictions have shape ({BATCH},):"
       f" an elementwise loss of both, such as (predictions - labels) ** 2, silently broadcasts"
@@ -70,14 +130,46 @@ def test_fit_refuses_labels_of_another_shape_than_the_predictions():
     make_trainer().fit(batches)
 
 
+@pytest.mark.parametrize("pipelining", [True, False])
+def test_fit_refuses_labels_of_half_the_batch_naming_both_sizes(pipelining):
+  batches = make_batches(2, seed=102)
+  for b in batches:
+    b["labels"] = b["labels"][:BATCH // 2]
+  trainer = make_trainer(pipelining=pipelining)
+  with pytest.raises(ValueError, match=re.escape(
+      f"batch 0 of the training data: labels has shape ({BATCH // 2},), leading dimension"
+      f" {BATCH // 2}, but the batch has {BATCH} samples")):
+    trainer.fit(batches)
+  assert trainer.state is None  # refused before the model was built
+
+
+def test_fit_names_the_batch_without_labels():
+  batches = make_batches(4, seed=103)
+  del batches[2]["labels"]
+  trainer = make_trainer()
+  with pytest.raises(ValueError, match=re.escape(
+      "batch 2 of the training data has no 'labels' entry (its keys are ['dense', 'sparse']);"
+      " fit needs labels")):
+    trainer.fit(batches)
+  # Pipelined: the step that applies batch 1 looks up batch 2, so it stops
+  # before; batch 0 was applied.
+  assert int(trainer.state.step) == 1
+
+
+def test_evaluate_names_the_batch_without_labels():
+  batches = make_batches(2, seed=104)
+  del batches[1]["labels"]
+  with pytest.raises(ValueError, match=re.escape(
+      "batch 1 of the evaluation data has no 'labels' entry")):
+    make_trainer(eval_metrics=()).evaluate(batches)
+
+
 def test_fit_names_a_dense_entry_of_another_batch_size():
   batches = make_batches(3, seed=101)
   batches[2]["dense"] = batches[2]["dense"][:-1]
   trainer = make_trainer()
   with pytest.raises(ValueError, match=re.escape(
-      f"dense has shape ({BATCH - 1}, 3) and dtype float32 but the first batch's had shape"
-      f" ({BATCH}, 3)")):
+      f"batch 2 of the training data: dense has shape ({BATCH - 1}, 3), leading dimension"
+      f" {BATCH - 1}, but the batch has {BATCH} samples")):
     trainer.fit(batches)
-  # Pipelined: the step that applies batch 1 looks up batch 2, so it stops
-  # before; batch 0 was applied.
   assert int(trainer.state.step) == 1

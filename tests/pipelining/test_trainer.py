@@ -256,7 +256,9 @@ def test_evaluate_and_predict_do_not_update():
   batches = make_batches(3, seed=43)
   trainer, _, _, _ = run_trainer("sgd", True, batches)
   before = logical_tables(trainer)
-  metrics = trainer.evaluate(batches)
+  # AUC (the default eval_metrics) needs binary labels.
+  metrics = trainer.evaluate([{**b, "labels": (b["labels"] > 0).astype(np.float32)}
+                              for b in batches])
   predictions = trainer.predict(batches)
   assert predictions.shape == (3 * BATCH,)
   assert set(metrics) == {"loss", "auc"}
