@@ -16,7 +16,12 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from pipelining._batch_check import BatchChecker, BatchUse, check_labels_fit_predictions
+from pipelining._batch_check import (
+    BatchChecker,
+    BatchUse,
+    batch_name,
+    check_labels_fit_predictions,
+)
 from pipelining._callbacks import Callback
 from pipelining._config import TrainerConfig, check_count
 from pipelining._data import DataStream, own_position, share_position
@@ -206,9 +211,15 @@ class Trainer:
     batch `index` of the `use` data. A prediction batch's labels are not read.
     """
     self._batch_checker.check(raw, use, index)
-    sparse = self._features.ids_by_name(raw["sparse"])
+    try:
+      sparse = self._features.ids_by_name(raw["sparse"])
+      preprocessed = self._preprocess(sparse)
+    except (ValueError, TypeError) as error:  # it names the feature, sample and id
+      if index is not None:
+        error.add_note(f"(in {batch_name(use, index)})")
+      raise
     labels = None if use == "prediction" else raw["labels"]
-    return Staged(self._place(self._preprocess(sparse), raw.get("dense"), labels), sparse)
+    return Staged(self._place(preprocessed, raw.get("dense"), labels), sparse)
 
   def _stage_for_training(self, raw: Any, index: int) -> Staged:
     """`_stage` for fit: also records the rows the batch will update (incremental saves)."""

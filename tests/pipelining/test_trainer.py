@@ -356,3 +356,17 @@ def test_backend_is_a_value_the_trainer_uses(monkeypatch):
   with pytest.raises(ValueError, match="unknown embedding backend 'nope'"):
     Trainer(LinearHead(), make_specs(SGD(SPARSE_LR)), mse, optax.sgd(DENSE_LR),
             mesh=mesh_of(1), progress="off", backend="nope")
+
+
+@pytest.mark.parametrize("pipelining", [True, False])
+def test_an_id_out_of_range_names_the_feature_and_the_batch(pipelining):
+  batches = make_batches(4, seed=95)
+  batches[2]["sparse"]["fb"][5, 1] = 24  # table b has 24 rows
+  trainer = Trainer(LinearHead(), make_specs(SGD(0.1)), mse, optax.sgd(0.1), mesh=mesh_of(1),
+                    pipelining=pipelining, progress="off", padding_id=-1)
+  with pytest.raises(ValueError, match=r"'fb'.*24") as raised:
+    trainer.fit(batches)
+  assert "(in batch 2 of the training data)" in getattr(raised.value, "__notes__", [])
+  with pytest.raises(ValueError, match=r"'fb'.*24") as raised:
+    trainer.predict([batches[0], batches[2]])
+  assert "(in batch 1 of the prediction data)" in getattr(raised.value, "__notes__", [])
