@@ -607,7 +607,11 @@ class Trainer:
         yield prepared.batch
 
   def evaluate(self, data: Iterable[Any]) -> dict[str, float]:
-    """Loss (batch-size weighted mean) and the configured metrics; no updates.
+    """The loss and the loss's aux metrics, and the configured metrics; no updates.
+
+    "loss" and every aux metric of loss_fn (its (loss, aux dict) form) are
+    means over the batches weighted by their sizes: sum_b n_b m_b / sum_b n_b.
+    "auc" (`TrainerConfig.eval_metrics`) is computed over all samples at once.
 
     Every batch needs "sparse" and "labels" (and "dense" if the model reads
     it). A pipelined trainer evaluates the current tables (any in-flight
@@ -617,21 +621,28 @@ class Trainer:
       ValueError: a batch that lacks labels or differs from the first
         (`pipelining._batch_check`); with eval_metrics=("auc",), labels that
         are not binary or predictions with other than one score per label
-        (the message says to pass eval_metrics=() for such a model).
+        (the message says to pass eval_metrics=() for such a model), or an
+        aux metric named "auc" as well.
     """
-    predictions, labels, losses, sizes = [], [], [], []
+    predictions, labels, per_batch, sizes = [], [], [], []
     with contextlib.closing(self._prepared(data, "evaluation")) as batches:
       for batch in batches:
         check_labels_fit_predictions(self._prediction_shapes, batch.labels)
         preds, metrics = self._steps.evaluate(self.state, batch)
         predictions.append(_host_tree(preds))
         labels.append(_host_tree(batch.labels))
-        losses.append(float(metrics["loss"]))
+        per_batch.append({name: float(value) for name, value in metrics.items()})
         sizes.append(jax.tree.leaves(predictions[-1])[0].shape[0])
     if not sizes:
       raise ValueError("evaluate got no batches.")
-    result = {"loss": float(np.average(losses, weights=sizes))}
+    result = {name: float(np.average([m[name] for m in per_batch], weights=sizes))
+              for name in per_batch[0]}
     if "auc" in self.config.eval_metrics:
+      if "auc" in result:
+        raise ValueError(
+            "loss_fn reports an aux metric 'auc' and eval_metrics=('auc',) computes one too;"
+            " rename the aux metric or pass eval_metrics=()."
+        )
       result["auc"] = evaluation_auc(labels, predictions)
     return result
 

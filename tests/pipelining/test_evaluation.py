@@ -174,3 +174,32 @@ def test_evaluate_names_why_auc_does_not_apply_and_the_fix(case):
   assert "pass eval_metrics=() to the Trainer" in str(error.value)
   metrics = make_trainer(model, loss, eval_metrics=()).evaluate(batches)
   assert set(metrics) == {"loss"} and np.isfinite(metrics["loss"])
+
+
+def test_evaluate_reports_the_loss_aux_metrics_as_batch_weighted_means():
+  batches = make_batches(3, seed=97)
+
+  def loss_with_aux(predictions, labels):
+    error = predictions - labels
+    return jnp.mean(error**2), {"mae": jnp.mean(jnp.abs(error)), "bias": jnp.mean(error)}
+
+  trainer = make_trainer(loss=loss_with_aux, eval_metrics=())
+  trainer.fit(batches[:2])
+  result = trainer.evaluate(batches)
+  assert set(result) == {"loss", "mae", "bias"}
+  error = trainer.predict(batches) - np.concatenate([b["labels"] for b in batches])
+  terms = error.size
+  assert_close(result["mae"], np.abs(error).mean(), terms=terms)
+  assert_close(result["bias"], error.mean(), terms=terms)
+  assert_close(result["loss"], (error**2).mean(), terms=terms)
+
+
+def test_an_aux_metric_named_auc_beside_the_configured_auc_is_refused():
+  batches = binary(make_batches(2, seed=99))
+
+  def loss_with_auc(logits, labels):
+    return bce(logits, labels), {"auc": jnp.zeros(())}
+
+  trainer = make_trainer(loss=loss_with_auc)
+  with pytest.raises(ValueError, match="aux metric 'auc'"):
+    trainer.evaluate(batches)
