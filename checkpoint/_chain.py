@@ -23,7 +23,7 @@ import threading
 import numpy as np
 from etils import epath
 
-from checkpoint import _storage
+from checkpoint import _integrity, _storage
 from checkpoint._delta import DeltaItem, DeltaManifest, is_delta_manifest
 from checkpoint._direct import ChunkCache
 from checkpoint._errors import CorruptCheckpointError, IncompatibleCheckpointError
@@ -62,6 +62,24 @@ def step_item(item: epath.Path, step: int) -> epath.Path:
   return item.parent.parent / str(step) / item.name
 
 
+def chain_problems(item: epath.PathLike, depth: _integrity.Depth) -> list[_integrity.Problem]:
+  """The integrity problems of the earlier steps of a delta item's chain.
+
+  Every earlier link (base and earlier deltas, which a restore or conversion
+  of `item` reads too) is checked against the integrity manifest of its own
+  step at `depth`. A delta names its parent by step number only, so an edited
+  link is caught here: `walk_chain` follows it, and its step's manifest no
+  longer matches. Empty for a full item (a chain of one).
+
+  Raises:
+    BrokenChainError: a link is missing or unreadable (from `walk_chain`).
+  """
+  problems: list[_integrity.Problem] = []
+  for link, _ in walk_chain(item)[:-1]:
+    problems.extend(_integrity.check_step(link.parent, depth=depth, items=[link.name]))
+  return problems
+
+
 def walk_chain(item: epath.PathLike) -> list[tuple[epath.Path, DeltaManifest | None]]:
   """The chain of an item, base first: (item directory, its delta manifest or None).
 
@@ -82,7 +100,8 @@ def walk_chain(item: epath.PathLike) -> list[tuple[epath.Path, DeltaManifest | N
       raise BrokenChainError(
           f"step {current.parent.name} is missing or incomplete ({current} has no"
           f" {MANIFEST_FILE}), but delta step {needed_by.parent.name} needs it: its chain is"
-          f" {' <- '.join(p.parent.name for p, _ in reversed(links))} <- {current.parent.name}."
+          f" {current.parent.name} <- {' <- '.join(p.parent.name for p, _ in reversed(links))}"
+          " (base first)."
           " Restore an older complete step, or a full one."
       )
     manifest = delta_manifest(current)

@@ -37,6 +37,7 @@ from etils import epath
 from orbax.checkpoint import checkpoint_managers as policies
 
 from checkpoint import _integrity, _steps
+from checkpoint._chain import chain_problems
 from checkpoint._compact import finish_interrupted_compactions
 from checkpoint._errors import CorruptCheckpointError, NotACheckpointError
 from checkpoint._handler import (
@@ -298,6 +299,11 @@ class CheckpointManager:
         _integrity.check_step(step_dir, depth="items", items=list(args.keys())),
         f"checkpoint step {step} ({step_dir})",
     )
+    if embedding is not None:  # A delta reads its earlier steps too: verify them first.
+      _integrity.raise_for(
+          chain_problems(step_dir / self._embedding_item, "items"),
+          f"the delta chain of checkpoint step {step} (its earlier steps; {step_dir})",
+      )
     for name, value in args.items():
       requested = getattr(value, "item", None)
       restores_tree = isinstance(value, (ocp.args.StandardRestore, ocp.args.PyTreeRestore))

@@ -34,7 +34,7 @@ from __future__ import annotations
 from etils import epath
 
 from checkpoint import _integrity
-from checkpoint._chain import walk_chain
+from checkpoint._chain import chain_problems, walk_chain
 from checkpoint._errors import NotACheckpointError
 from checkpoint._integrity import Depth, Problem
 
@@ -71,8 +71,10 @@ def verify_source(
   if step is None:
     return []  # A bare item: its chunks' checksums are checked as read.
   problems = _check(step, items, depth)
-  for link, _ in walk_chain(item)[:-1]:  # The earlier steps of a delta's chain.
-    _check(link.parent, [link.name], depth)
+  for link, _ in walk_chain(item)[:-1]:  # The earlier steps must have manifests too.
+    _require_manifest(link.parent)
+  _integrity.raise_for(chain_problems(item, depth),
+                       f"the delta chain of {item} being converted (its earlier steps)")
   return [problem for problem in problems if problem.severity == "foreign"]
 
 
@@ -86,6 +88,13 @@ def _step_of(item: epath.Path) -> epath.Path | None:
 
 
 def _check(step: epath.Path, items: list[str] | None, depth: Depth) -> list[Problem]:
+  _require_manifest(step)
+  problems = _integrity.check_step(step, depth=depth, items=items)
+  _integrity.raise_for(problems, f"the checkpoint step {step} being converted")
+  return problems
+
+
+def _require_manifest(step: epath.Path) -> None:
   integrity = step / _integrity.INTEGRITY_FILE
   if not _integrity.is_link(step) and not _integrity.is_link(integrity) and not integrity.exists():
     raise NotACheckpointError(
@@ -95,6 +104,3 @@ def _check(step: epath.Path, items: list[str] | None, depth: Depth) -> list[Prob
         f" `sc-checkpoint verify --adopt {step}` (the step directory must be named by its step"
         " number), then convert again."
     )
-  problems = _integrity.check_step(step, depth=depth, items=items)
-  _integrity.raise_for(problems, f"the checkpoint step {step} being converted")
-  return problems

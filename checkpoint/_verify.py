@@ -20,6 +20,7 @@ import re
 from etils import epath
 
 from checkpoint import _integrity
+from checkpoint._chain import chain_problems, walk_chain
 from checkpoint._direct import chunk_file
 from checkpoint._errors import CheckpointError
 from checkpoint._format import MANIFEST_FILE, array_dir, numpy_dtype
@@ -44,8 +45,34 @@ def verify(path: epath.PathLike) -> list[Problem]:
   if (path / MANIFEST_FILE).exists():
     return verify_item(path)
   if (path / _integrity.INTEGRITY_FILE).exists() or _STEP.match(path.name):
-    return _integrity.check_step(path, depth="full")
+    return _integrity.check_step(path, depth="full") + step_chain_problems(path, "full")
   return verify_root(path)
+
+
+def step_chain_problems(step_dir: epath.Path,
+                        depth: _integrity.Depth | None) -> list[Problem]:
+  """The problems of the delta chains of a step's embedding items.
+
+  A chain that lacks a step or names an unreadable one is an error on the
+  item: a restore, conversion or compaction of the step would fail. With a
+  `depth`, every earlier step of the chain is also checked against its own
+  manifest (`_chain.chain_problems`); None checks the chain's links only (as
+  `verify_root` does, which checks every step itself).
+  """
+  problems: list[Problem] = []
+  if _integrity.is_link(step_dir) or not step_dir.is_dir():
+    return problems
+  for item in sorted(step_dir.iterdir(), key=lambda p: p.name):
+    if _integrity.is_link(item) or not (item / MANIFEST_FILE).exists():
+      continue
+    try:
+      if depth is None:
+        walk_chain(item)
+      else:
+        problems.extend(chain_problems(item, depth))
+    except CheckpointError as error:
+      problems.append(Problem("error", item, f"its delta chain is broken: {error}"))
+  return problems
 
 
 def verify_root(root: epath.Path) -> list[Problem]:
@@ -61,6 +88,7 @@ def verify_root(root: epath.Path) -> list[Problem]:
         )
       else:
         problems.extend(_integrity.check_step(child, depth="full"))
+        problems.extend(step_chain_problems(child, None))
     elif child.name not in _ROOT_FILES:
       problems.append(
           Problem("foreign", child, "not a step written by the checkpoint manager; left alone")

@@ -10,6 +10,7 @@ restore bit for bit as the full save of the same state does.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -149,6 +150,45 @@ def test_a_missing_delta_is_named_and_latest_falls_back(tmp_path):
   host = unstack({k: np.asarray(v) for k, v in restored.tables.items()}, layout)
   for name, table in expected.items():
     assert_same_bits(host[name], table)
+
+
+def _edit_parent(root, step, parent):
+  """Points delta `step` at another parent by editing its manifest (not its integrity.json)."""
+  path = root / str(step) / "embedding" / "manifest.json"
+  text = path.read_text()
+  edited = re.sub(r'"parent_step": *\d+', f'"parent_step": {parent}', text)
+  assert edited != text
+  path.write_text(edited)
+
+
+def test_an_edited_earlier_delta_is_caught_by_restore_verify_and_the_fallback(tmp_path):
+  """A delta names its parent by step number only: an edit of an earlier link
+  must fail that link's integrity manifest, not restore tables of no step."""
+  _, layout, delta_root, _, states = _train_side_by_side(tmp_path, 2, steps=5)
+  _edit_parent(delta_root, 2, 0)  # step 2's parent was 1
+  args = ck.EmbeddingRestore(layout, make_mesh(2), AXIS)
+  with ck.CheckpointManager(delta_root, read_only=True) as mngr:
+    with pytest.raises(ck.CorruptCheckpointError,
+                       match=r"(?s)delta chain of checkpoint step 4 \(its earlier steps.*2/embedding/"
+                             r"manifest.json: checksum mismatch"):
+      mngr.restore(4, args)
+    with pytest.warns(RuntimeWarning, match="skipped"):
+      restored = mngr.restore(None, args)["embedding"]  # 4, 3 and 2 are damaged: 1 is used
+  from sc_framework.stacking import unstack  # pylint: disable=g-import-not-at-top
+  host = unstack({k: np.asarray(v) for k, v in restored.tables.items()}, layout)
+  for name, table in states[1].items():
+    assert_same_bits(host[name], table)
+  problems = ck.verify(delta_root / "4")
+  assert any("2/embedding/manifest.json" in str(p.path) for p in problems if p.severity == "error")
+
+
+def test_verify_of_a_step_follows_its_chain(tmp_path):
+  _, _, delta_root, _, _ = _train_side_by_side(tmp_path, 2, steps=4)
+  assert not [p for p in ck.verify(delta_root / "3") if p.severity == "error"]
+  shutil.rmtree(delta_root / "1")
+  for path in (delta_root / "3", delta_root):
+    errors = [p for p in ck.verify(path) if p.severity == "error"]
+    assert any("delta chain is broken: step 1 is missing" in p.message for p in errors), errors
 
 
 def test_a_failed_delta_save_leaves_the_previous_step_and_restarts_the_chain(tmp_path, monkeypatch):
