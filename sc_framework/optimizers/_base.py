@@ -193,7 +193,7 @@ class OptimizerSpec:
 
   def learning_rate_at(self, step: jax.Array) -> jax.Array:
     """The learning rate for the update applied after `step` updates."""
-    return resolve_learning_rate(self.learning_rate, step)
+    return resolve_learning_rate(self.learning_rate, step, self.owner_name())
 
   def hyperparameters(self) -> dict[str, Any]:
     """The hyperparameters as a JSON-friendly dict (callables by name)."""
@@ -206,10 +206,22 @@ class OptimizerSpec:
     return out
 
 
-def resolve_learning_rate(learning_rate: LearningRate, step: jax.Array) -> jax.Array:
-  """Evaluates a float or step-function learning rate at `step` as float32."""
+def resolve_learning_rate(learning_rate: LearningRate, step: jax.Array,
+                          owner: str = "optimizer") -> jax.Array:
+  """Evaluates a float or step-function learning rate at `step` as a float32 scalar.
+
+  Raises:
+    ValueError: a schedule returned something other than a scalar (one rate
+      for every row of the step).
+  """
   if callable(learning_rate):
-    return jnp.asarray(learning_rate(step), jnp.float32)
+    rate = jnp.asarray(learning_rate(step), jnp.float32)
+    if rate.shape != ():
+      raise ValueError(
+          f"{owner}: the learning-rate schedule returned shape {rate.shape}; it"
+          " must return a scalar (one rate for every row of the step)."
+      )
+    return rate
   return jnp.asarray(learning_rate, jnp.float32)
 
 

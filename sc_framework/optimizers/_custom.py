@@ -6,8 +6,9 @@ import dataclasses
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 
-from sc_framework.optimizers._base import OptimizerSpec, SlotSpec
+from sc_framework.optimizers._base import OptimizerSpec, SlotSpec, check_learning_rate
 
 RowUpdateFn = Callable[
     [jax.Array, jax.Array, dict[str, jax.Array], jax.Array],
@@ -70,6 +71,7 @@ class CustomOptimizer(OptimizerSpec):
     if len(set(names)) != len(names):
       raise ValueError(f"CustomOptimizer {self.name!r}: duplicate slot names in {names}.")
     object.__setattr__(self, "slot_specs", slot_specs)
+    check_learning_rate(self.owner_name(), self.learning_rate)
 
   def owner_name(self) -> str:
     return f"CustomOptimizer {self.name!r}"
@@ -85,4 +87,19 @@ class CustomOptimizer(OptimizerSpec):
           f"CustomOptimizer {self.name!r}: update_fn returned slots {sorted(new_slots)}"
           f" but the optimizer declares {sorted(slots)}."
       )
+    self._check_output("rows", new_rows, rows)
+    for name, value in new_slots.items():
+      self._check_output(f"slot {name!r}", value, slots[name])
     return new_rows, new_slots
+
+  def _check_output(self, what: str, value, given) -> None:
+    """update_fn must return each array in the shape it was given, as floats at least as
+    wide: a broadcast or a cast would change every touched row silently."""
+    shape, dtype = jnp.shape(value), jnp.result_type(value)
+    if (shape != given.shape or not jnp.issubdtype(dtype, jnp.floating)
+        or jnp.finfo(dtype).bits < jnp.finfo(given.dtype).bits):
+      raise ValueError(
+          f"CustomOptimizer {self.name!r}: update_fn returned {what} of shape {shape} and dtype"
+          f" {dtype}, but was given {given.shape} {given.dtype} (one row per touched row): return"
+          f" an array of that shape, in {given.dtype} or a wider float."
+      )

@@ -85,8 +85,12 @@ def check_options(
   """Raises ValueError/TypeError naming the option and value when one is invalid."""
   if row_clipnorm is not None and _finite_number(owner, "row_clipnorm", row_clipnorm) <= 0:
     raise ValueError(f"{owner}: row_clipnorm must be > 0 or None, got {row_clipnorm!r}.")
-  if _finite_number(owner, "weight_decay_factor", weight_decay_factor) < 0:
-    raise ValueError(f"{owner}: weight_decay_factor must be >= 0, got {weight_decay_factor!r}.")
+  if (isinstance(weight_decay_factor, bool) or not isinstance(weight_decay_factor, (int, float))
+      or not math.isfinite(weight_decay_factor) or weight_decay_factor < 0):
+    raise ValueError(
+        f"{owner}: weight_decay_factor must be a finite number >= 0 (0 for no decay), got"
+        f" {weight_decay_factor!r}."
+    )
   if not isinstance(multiply_weight_decay_factor_by_learning_rate, bool):
     raise TypeError(
         f"{owner}: multiply_weight_decay_factor_by_learning_rate must be a bool, got"

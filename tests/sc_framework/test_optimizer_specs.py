@@ -420,7 +420,7 @@ def test_clipvalue_forms_are_normalised(given, stored):
         (dict(clipvalue="1"), "SGD: clipvalue must be a finite number or None, got '1'"),
         (dict(row_clipnorm=0.0), "SGD: row_clipnorm must be > 0 or None, got 0.0"),
         (dict(row_clipnorm=float("inf")), "SGD: row_clipnorm must be a finite number or None, got inf"),
-        (dict(weight_decay_factor=-0.1), "SGD: weight_decay_factor must be >= 0, got -0.1"),
+        (dict(weight_decay_factor=-0.1), "SGD: weight_decay_factor must be a finite number >= 0 (0 for no decay), got -0.1"),
         (dict(weight_decay_factor=None), "SGD: weight_decay_factor must be a finite number"),
         (dict(clip_weight_min=float("-inf")), "SGD: clip_weight_min must be a finite number or None, got -inf"),
         (dict(clip_weight_max=True), "SGD: clip_weight_max must be a finite number or None, got True"),
@@ -503,3 +503,64 @@ def test_readme_optimizer_options_example_runs():
       "clipvalue", "weight_decay_factor", "multiply_weight_decay_factor_by_learning_rate",
       "clip_weight_min", "clip_weight_max")
   assert adagrad.slots()[0].initial_value == 0.0 and adagrad.row_clipnorm == 10.0
+
+
+# --- what a user's rule and schedule return ------------------------------------
+
+
+def _rows_and_grads(dtype="float32"):
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  rng = np.random.default_rng(7)
+  rows = rng.standard_normal((5, 8)).astype(dtype)
+  grads = rng.standard_normal((5, 8)).astype(dtype)
+  return rows, grads
+
+
+@pytest.mark.parametrize("learning_rate", [-1.0, 0.0, math.nan, math.inf])
+def test_custom_optimizer_checks_its_learning_rate(learning_rate):
+  with pytest.raises(ValueError, match=r"CustomOptimizer 'c': learning_rate must be finite"):
+    CustomOptimizer("c", lambda r, g, s, t: (r - g, s), learning_rate=learning_rate)
+
+
+@pytest.mark.parametrize(
+    "returned, message",
+    [
+        (lambda r: r[:, :1], r"rows of shape \(5, 1\)"),
+        (lambda r: r.sum(), r"rows of shape \(\)"),
+        (lambda r: r.astype("int32"), r"rows of shape \(5, 8\) and dtype int32"),
+        (lambda r: r.astype("float16"), r"rows .* dtype float16, but was given \(5, 8\) float32"),
+    ],
+    ids=["column", "scalar", "int32", "float16"],
+)
+def test_custom_optimizer_refuses_rows_of_another_shape_or_a_narrower_dtype(returned, message):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  spec = CustomOptimizer("bad", lambda r, g, s, t: (returned(r), s))
+  rows, grads = _rows_and_grads()
+  with pytest.raises(ValueError, match=r"CustomOptimizer 'bad': update_fn returned " + message):
+    spec.apply(jnp.asarray(rows), jnp.asarray(grads), {}, jnp.asarray(0), jnp.full((5,), 8))
+
+
+def test_custom_optimizer_refuses_a_slot_of_another_shape_and_accepts_a_wider_float():
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  slot = SlotSpec("m", width=None)
+  rows, grads = _rows_and_grads()
+  narrow = CustomOptimizer("bad", lambda r, g, s, t: (r, {"m": s["m"][:, :1]}), (slot,))
+  with pytest.raises(ValueError, match=r"slot 'm' of shape \(5, 1\).*given \(5, 8\)"):
+    narrow.apply(jnp.asarray(rows), jnp.asarray(grads), {"m": jnp.zeros((5, 8))},
+                 jnp.asarray(0), jnp.full((5,), 8))
+  wider = CustomOptimizer("ok", lambda r, g, s, t: (r.astype(jnp.float32) - g, s))
+  new_rows, _ = wider.apply(jnp.asarray(rows, jnp.bfloat16), jnp.asarray(grads, jnp.bfloat16), {},
+                            jnp.asarray(0), jnp.full((5,), 8))
+  assert new_rows.dtype == jnp.bfloat16
+
+
+def test_a_schedule_must_return_one_rate_per_step():
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  spec = SGD(lambda step: jnp.full((5, 1), 0.1))
+  rows, grads = _rows_and_grads()
+  with pytest.raises(ValueError, match=r"SGD: the learning-rate schedule returned shape \(5, 1\)"):
+    spec.apply(jnp.asarray(rows), jnp.asarray(grads), {}, jnp.asarray(0), jnp.full((5,), 8))
