@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sc_framework.optimizers import FTRL, SGD, Adagrad, Adam, OptimizerSpec, RowWiseAdagrad
+from sc_framework.optimizers._adam import bias_correction
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,15 +233,16 @@ def _adagrad_hyperparameters(optimizer: Adagrad | RowWiseAdagrad, lr,
 def _adam_hyperparameters(optimizer: Adam, lr, step) -> list[jax.typing.ArrayLike]:
   """{lr, b1, 1 - b1, b2, 1 - b2, 1 - b1^t, 1 - b2^t, eps inside the root, eps outside}.
 
-  The bias corrections are computed here as `Adam.update_rule` computes them
-  (t = step + 1 in float32); epsilon goes inside the root (squared) or
+  The bias corrections are `Adam.update_rule`'s (`bias_correction`, t = step + 1
+  in float32); epsilon goes inside the root (squared) or
   outside it, the other place getting 0.
   """
   t = (jnp.asarray(step) + 1).astype(jnp.float32)
   epsilon = optimizer.epsilon
   inside, outside = (epsilon * epsilon, 0.0) if optimizer.sum_inside_sqrt else (0.0, epsilon)
   return [lr, optimizer.beta1, 1.0 - optimizer.beta1, optimizer.beta2, 1.0 - optimizer.beta2,
-          1.0 - optimizer.beta1**t, 1.0 - optimizer.beta2**t, inside, outside]
+          bias_correction(optimizer.beta1, t), bias_correction(optimizer.beta2, t), inside,
+          outside]
 
 
 def _ftrl_hyperparameters(optimizer: FTRL, lr, step) -> list[jax.typing.ArrayLike]:

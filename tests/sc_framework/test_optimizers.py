@@ -774,3 +774,27 @@ def test_checkpoint_files_do_not_depend_on_the_options(tmp_path):
         (tmp_path / "options" / name).read_text()), name
   restored = _restore(tmp_path / "plain", plan_options)
   jax.tree.map(lambda a, b: assert_same_bits(np.asarray(a), np.asarray(b)), restored, history[0])
+
+
+@pytest.mark.parametrize("beta2", [0.999, 0.9999])
+@pytest.mark.parametrize("spec_of", [
+    lambda b2: Adam(0.05, beta2=b2), lambda b2: Adam(0.05, beta2=b2, sum_inside_sqrt=True),
+    lambda b2: LaProp(0.05, beta2=b2),
+], ids=["adam", "adam_sum_inside_sqrt", "laprop"])
+def test_the_bias_corrections_keep_a_single_update_to_a_few_ulps(spec_of, beta2):
+  """At step 1, m_hat = g and v_hat = g^2 exactly in real arithmetic, so the
+  update is -lr * g / (|g| + eps): 1 - beta2^t must not cancel in float32."""
+  spec = spec_of(beta2)
+  rng = np.random.default_rng(11)
+  grads = rng.uniform(0.5, 2.0, (4, 8)).astype(np.float32) * rng.choice([-1, 1], (4, 8))
+  # Small rows, so new_rows - rows is exact to far below the bound.
+  rows = rng.uniform(-0.01, 0.01, (4, 8)).astype(np.float32)
+  slots = {name: jnp.zeros((4, 8), jnp.float32) for name in ("mu", "nu")}
+  new_rows, _ = spec.apply(jnp.asarray(rows), jnp.asarray(grads), slots, jnp.asarray(0),
+                           jnp.full((4,), 8))
+  g = grads.astype(np.float64)
+  eps = spec.epsilon
+  denominator = np.sqrt(g * g + eps * eps) if getattr(spec, "sum_inside_sqrt", False) else (
+      np.abs(g) + eps)
+  expected_step = -0.05 * g / denominator
+  assert_close(np.asarray(new_rows, np.float64) - rows, expected_step, terms=4)
