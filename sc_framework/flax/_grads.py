@@ -74,21 +74,12 @@ def layer_key(path: tuple[Hashable, ...]) -> str:
 def check_batch(plan: EmbeddingPlan, batch: Mapping[str, Any], owner: str) -> None:
   """Raises a clear error unless `batch` has one StackBatch per stack of `plan`,
   shaped for its layout (`sc_framework.primitives._checks.check_batch`)."""
-  if not isinstance(batch, Mapping):
-    raise TypeError(
-        f"{owner}: expected the preprocessed batch, a dict stack name -> StackBatch, got"
-        f" {type(batch).__name__}. Preprocess the raw ids with sc_framework.preprocessing first."
-    )
-  other = {name: type(value).__name__ for name, value in batch.items()
-           if not isinstance(value, StackBatch)}
-  if other:
-    raise TypeError(
-        f"{owner}: expected the preprocessed batch, a dict stack name -> StackBatch, got values"
-        f" {other}. Preprocess the raw ids with sc_framework.preprocessing first. (The Trainer"
-        " looks the tables up itself and calls its model as model(activations, dense): give it"
-        " the dense part of a model, without embedding layers.)"
-    )
-  check_plan_batch(plan, batch, f"{owner}: batch")
+  check_plan_batch(
+      plan, batch, f"{owner}: batch",
+      type_hint=(" (The Trainer looks the tables up itself and calls its model as"
+                 " model(activations, dense): give it the dense part of a model, without"
+                 " embedding layers.)"),
+  )
 
 
 # --- the tap -------------------------------------------------------------------

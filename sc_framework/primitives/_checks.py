@@ -80,19 +80,23 @@ def check_variables(plan: EmbeddingPlan, variables: Any) -> None:
         )
 
 
-def check_batch(plan: EmbeddingPlan, batch: Mapping[str, Any], what: str = "batch") -> None:
-  """One StackBatch per stack, shaped for the plan's G devices and N shards."""
+def check_batch(plan: EmbeddingPlan, batch: Mapping[str, Any], what: str = "batch",
+                type_hint: str = "") -> None:
+  """One StackBatch per stack, shaped for the plan's G devices and N shards.
+
+  `type_hint` ends the message of a batch that is not preprocessed at all.
+  """
   if not isinstance(batch, Mapping):
     raise TypeError(
         f"{what} must be the preprocessed batch, a dict stack name -> StackBatch, got"
-        f" {type(batch).__name__}. {_PREPROCESS_HINT}"
+        f" {type(batch).__name__}. {_PREPROCESS_HINT}{type_hint}"
     )
   other = {name: type(value).__name__ for name, value in batch.items()
            if not isinstance(value, StackBatch)}
   if other:
     raise TypeError(
         f"{what} must be the preprocessed batch, a dict stack name -> StackBatch, got values"
-        f" {other}. {_PREPROCESS_HINT}"
+        f" {other}. {_PREPROCESS_HINT}{type_hint}"
     )
   check_names(what, batch, plan.layout.stack_names, "stacks", _PREPROCESS_HINT)
   devices = plan.num_devices
