@@ -24,12 +24,17 @@ namespace {
 
 // ---------------------------------------------------------------- rank_rows
 
-// Index of the first row outside [0, size), or -1.
-Py_ssize_t FirstOutside(const int64_t* rows, Py_ssize_t count, Py_ssize_t size) {
+// True when every row is in [0, size); else sets a ValueError naming the
+// first row outside and returns false.
+bool RowsInside(const int64_t* rows, Py_ssize_t count, Py_ssize_t size) {
   for (Py_ssize_t i = 0; i < count; ++i) {
-    if (static_cast<uint64_t>(rows[i]) >= static_cast<uint64_t>(size)) return i;
+    if (static_cast<uint64_t>(rows[i]) >= static_cast<uint64_t>(size)) {
+      PyErr_Format(PyExc_ValueError, "rows[%zd] = %lld is outside [0, %lld)", i,
+                   static_cast<long long>(rows[i]), static_cast<long long>(size));
+      return false;
+    }
   }
-  return -1;
+  return true;
 }
 
 // rank[i] = before[w] + the marks of word w below bit v mod 64, for v = rows[i]
@@ -117,12 +122,7 @@ PyObject* rank_rows(PyObject*, PyObject* args) {
            nullptr;
   }
   if (ranks.size() != count) return SizeError("ranks: len(rows)", count, ranks.size()), nullptr;
-  const Py_ssize_t outside = FirstOutside(row, count, size);
-  if (outside >= 0) {
-    PyErr_Format(PyExc_ValueError, "rows[%zd] = %lld is outside [0, %lld)", outside,
-                 static_cast<long long>(row[outside]), size);
-    return nullptr;
-  }
+  if (!RowsInside(row, count, size)) return nullptr;
   uint64_t* word = words.data<uint64_t>();
   int64_t* out = distinct.data<int64_t>();
   int32_t* rank = ranks.data<int32_t>();

@@ -110,12 +110,7 @@ PyObject* rank_kept_rows(PyObject*, PyObject* args) {
            nullptr;
   }
   const int64_t* row = rows.data<int64_t>();
-  const Py_ssize_t outside = FirstOutside(row, count, size);
-  if (outside >= 0) {
-    PyErr_Format(PyExc_ValueError, "rows[%zd] = %lld is outside [0, %lld)", outside,
-                 static_cast<long long>(row[outside]), size);
-    return nullptr;
-  }
+  if (!RowsInside(row, count, size)) return nullptr;
   uint64_t* word = words.data<uint64_t>();
   uint64_t* late = word + num_words;
   int64_t* out = out_rows.data<int64_t>();
