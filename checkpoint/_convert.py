@@ -60,7 +60,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from checkpoint import _direct, _integrity, _save
+from checkpoint import _direct, _integrity, _save, _storage
 from checkpoint._direct import ChunkCache
 from checkpoint._format import MANIFEST_FILE, Manifest, array_dir, numpy_dtype
 from checkpoint._assembly import assemble_stacked, build_block
@@ -151,6 +151,7 @@ def convert(
   if host_memory == "return":
     return_freed_memory()
   src, dst = epath.Path(src), epath.Path(dst)
+  _storage.check_local_path(dst)
   item = src if (src / MANIFEST_FILE).exists() else find_item(src)
   if dst.exists() and not overwrite:
     raise FileExistsError(f"{dst} already exists; choose another destination or pass overwrite.")
