@@ -60,7 +60,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from checkpoint import _direct, _integrity, _save
+from checkpoint import _direct, _integrity, _save, _storage
 from checkpoint._direct import ChunkCache
 from checkpoint._format import MANIFEST_FILE, Manifest, array_dir, numpy_dtype
 from checkpoint._assembly import assemble_stacked, build_block
@@ -151,6 +151,8 @@ def convert(
   if host_memory == "return":
     return_freed_memory()
   src, dst = epath.Path(src), epath.Path(dst)
+  _storage.check_local_path(dst)
+  _check_destination(src, dst)
   item = src if (src / MANIFEST_FILE).exists() else find_item(src)
   if dst.exists() and not overwrite:
     raise FileExistsError(f"{dst} already exists; choose another destination or pass overwrite.")
@@ -192,6 +194,44 @@ def convert(
     dst.rmtree()
   tmp.rename(dst)
   return dst if item is None or item == src else dst / item.name
+
+
+def _absolute(path: epath.Path) -> tuple[str, ...]:
+  """The components of a path, absolute and with links resolved where local."""
+  text = os.fspath(path)
+  if "://" not in text:
+    text = os.path.realpath(text)
+  return tuple(part for part in text.rstrip("/").split("/") if part)
+
+
+def _check_destination(src: epath.Path, dst: epath.Path) -> None:
+  """Raises if writing `dst` would write into, or delete, a checkpoint it must not touch.
+
+  `dst` may be `src` itself (a conversion in place, with overwrite), but not
+  a directory inside the source (the copy of the step would copy itself),
+  nor one holding it (replacing it deletes the source and everything beside
+  it), nor one inside a step directory: a step's files are listed in its
+  integrity manifest, which a conversion written there would no longer
+  match (convert the whole step instead).
+  """
+  source, target = _absolute(src), _absolute(dst)
+  if target != source and target[: len(source)] == source:
+    raise ValueError(
+        f"the destination {dst} lies inside the source {src}; write the conversion elsewhere."
+    )
+  if target != source and source[: len(target)] == target:
+    raise ValueError(
+        f"the destination {dst} holds the source {src}: replacing it would delete the source"
+        " and everything beside it. Write the conversion elsewhere."
+    )
+  for parent in dst.absolute().parents:
+    if (parent / _integrity.INTEGRITY_FILE).exists():
+      raise ValueError(
+          f"the destination {dst} lies inside the checkpoint step {parent}, whose integrity"
+          " manifest would no longer match its files (the step would no longer restore)."
+          f" Convert the whole step instead: with {parent} as both source and destination"
+          " (and overwrite) it is converted in place."
+      )
 
 
 def _check_every_table_placed(reader, target: EmbeddingLayout) -> None:

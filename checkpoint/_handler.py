@@ -26,7 +26,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.sharding import Mesh
 
-from checkpoint import _delta, _save
+from checkpoint import _delta, _save, _storage
 from checkpoint._assembly import OnSlotMismatch
 from checkpoint._chain import open_reader
 from checkpoint._format import MANIFEST_FILE
@@ -63,6 +63,7 @@ class EmbeddingCheckpointHandler(ocp.AsyncCheckpointHandler):
       raise TypeError(
           f"EmbeddingCheckpointHandler saves EmbeddingSave args, got {type(args).__name__}."
       )
+    _storage.check_local_path(directory)  # Raised here, not by the background write.
     if args.delta is not None:  # Only the updated rows (checkpoint._delta).
       return _delta.prepare_save(epath.Path(directory), args, primary=self._is_primary())
     specs = _save.check_state(args.layout, args.tables, args.slots, args.slot_specs)

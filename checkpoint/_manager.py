@@ -36,7 +36,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import checkpoint_managers as policies
 
-from checkpoint import _integrity, _steps
+from checkpoint import _integrity, _steps, _storage
 from checkpoint._chain import chain_problems
 from checkpoint._compact import finish_interrupted_compactions
 from checkpoint._errors import CorruptCheckpointError, NotACheckpointError
@@ -133,6 +133,7 @@ class CheckpointManager:
     self._directory = epath.Path(directory)
     if not self._directory.is_absolute():  # Orbax needs absolute paths with several processes
       self._directory = self._directory.resolve()
+    _storage.check_local_path(self._directory)  # Before anything is written there.
     metric_fn = None
     if best_metric is not None:
       metric_fn = best_metric if callable(best_metric) else _metric_getter(best_metric)

@@ -126,6 +126,7 @@ class CheckpointReader:
         expected = info.table if slot is None else info.slots[slot]
         path = array_dir(self.directory, self.manifest.kind, group, slot)
         what = _describe(self.manifest.kind, group, slot)
+        _storage.check_local_path(path)
         try:
           store = _storage.open_for_read(path).result()
         except ValueError as error:

@@ -67,7 +67,7 @@ def verify_source(
   if item != src:
     step, items = src, None
   else:
-    step, items = _step_of(item), [item.name]
+    step, items = step_of_item(item), [item.name]
   if step is None:
     return []  # A bare item: its chunks' checksums are checked as read.
   problems = _check(step, items, depth)
@@ -78,7 +78,7 @@ def verify_source(
   return [problem for problem in problems if problem.severity == "foreign"]
 
 
-def _step_of(item: epath.Path) -> epath.Path | None:
+def step_of_item(item: epath.Path) -> epath.Path | None:
   """The step directory holding an embedding item, or None for a bare item."""
   step = item.parent
   integrity = step / _integrity.INTEGRITY_FILE

@@ -147,7 +147,27 @@ def kvstore_spec(path: epath.PathLike) -> dict:
     raise ValueError(
         f"unsupported path {text!r}: use a local path, gs://bucket/... or s3://bucket/...."
     )
+  check_local_path(text)
   return {"driver": "file", "path": os.path.abspath(text).rstrip("/") + "/"}
+
+
+def check_local_path(path: epath.PathLike) -> None:
+  """Raises if TensorStore cannot address a local path as it is written.
+
+  TensorStore's file driver reads a backslash as a path separator on every
+  platform: the arrays of a checkpoint under '/data/a\\b' would be written
+  to '/data/a/b', outside the checkpoint, and never found there again.
+  """
+  text = os.fspath(path)
+  if "://" in text:
+    return
+  text = os.path.abspath(text)  # A relative path lies under the working directory.
+  if "\\" in text:
+    raise ValueError(
+        f"checkpoint path {text!r} contains a backslash, which TensorStore reads as a path"
+        " separator: the arrays would be written outside it (to"
+        f" {text.replace(chr(92), '/')!r}). Choose a directory whose path has no backslash."
+    )
 
 
 def chunk_rows_for(rows_per_shard: int, row_bytes: int, chunk_bytes: int) -> int:

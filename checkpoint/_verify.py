@@ -26,6 +26,7 @@ from checkpoint._errors import CheckpointError
 from checkpoint._format import MANIFEST_FILE, array_dir, numpy_dtype
 from checkpoint._integrity import Problem
 from checkpoint._reader import CheckpointReader
+from checkpoint._source import step_of_item
 
 _STEP = re.compile(r"^\d+$")
 _ROOT_FILES = frozenset({"_CHECKPOINT_METADATA", "descriptor", "metadata"})
@@ -33,6 +34,11 @@ _ROOT_FILES = frozenset({"_CHECKPOINT_METADATA", "descriptor", "metadata"})
 
 def verify(path: epath.PathLike) -> list[Problem]:
   """Every problem of a checkpoint root, step or embedding item (empty: all verified).
+
+  An embedding item inside a step (full or delta) is checked against that
+  step's integrity manifest, as a restore or conversion of it is, and so are
+  the earlier steps of its delta chain; a bare item (written by `convert`
+  outside any step) has only its chunks' own checksums (`verify_item`).
 
   Raises:
     CheckpointError: the path does not exist.
@@ -43,6 +49,11 @@ def verify(path: epath.PathLike) -> list[Problem]:
   if not path.exists():
     raise CheckpointError(f"{path} does not exist.")
   if (path / MANIFEST_FILE).exists():
+    step = step_of_item(path)
+    if step is not None:  # An item of a step: against that step's manifest, and its chain.
+      return _integrity.check_step(step, depth="full", items=[path.name]) + item_chain_problems(
+          path, "full"
+      )
     return verify_item(path)
   if (path / _integrity.INTEGRITY_FILE).exists() or _STEP.match(path.name):
     return _integrity.check_step(path, depth="full") + step_chain_problems(path, "full")
@@ -65,14 +76,19 @@ def step_chain_problems(step_dir: epath.Path,
   for item in sorted(step_dir.iterdir(), key=lambda p: p.name):
     if _integrity.is_link(item) or not (item / MANIFEST_FILE).exists():
       continue
-    try:
-      if depth is None:
-        walk_chain(item)
-      else:
-        problems.extend(chain_problems(item, depth))
-    except CheckpointError as error:
-      problems.append(Problem("error", item, f"its delta chain is broken: {error}"))
+    problems.extend(item_chain_problems(item, depth))
   return problems
+
+
+def item_chain_problems(item: epath.Path, depth: _integrity.Depth | None) -> list[Problem]:
+  """The problems of one embedding item's delta chain (see `step_chain_problems`)."""
+  try:
+    if depth is None:
+      walk_chain(item)
+      return []
+    return chain_problems(item, depth)
+  except CheckpointError as error:
+    return [Problem("error", item, f"its delta chain is broken: {error}")]
 
 
 def verify_root(root: epath.Path) -> list[Problem]:

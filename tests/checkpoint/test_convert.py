@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -227,6 +229,39 @@ def test_a_symbolic_link_in_the_step_directory_is_refused_not_followed(tmp_path)
   with pytest.raises(ck.CorruptCheckpointError, match=r"link\.txt: is a symbolic link"):
     ck.convert(tmp_path / "run" / "7", tmp_path / "moved" / "7", target)
   assert not (tmp_path / "moved" / "7").exists()
+
+
+def test_a_destination_inside_a_step_or_the_source_or_holding_it_is_refused(tmp_path):
+  """In place is fine for a whole step; an item of a step converted in place broke the
+  step (its integrity manifest no longer matched), a destination inside the source copied
+  itself without end, and one holding the source replaced the whole root."""
+  model = make_model([spec + (Adam(),) for spec in TABLES], seed=5)
+  layout = model.layout([["a", "b"], ["c"], ["d"]], 8)
+  tables, slots = model.state(layout)
+  root = tmp_path / "run"
+  with ck.CheckpointManager(root) as mngr:
+    for step in (6, 7):
+      mngr.save(step, ck.EmbeddingSave(tables, slots, layout, model.slot_specs(layout)),
+                items={"data": ocp.args.JsonSave({"position": step})})
+  target = ck.relayout(layout, num_devices=2, shards_per_device=2)
+  item = root / "7" / "embedding"
+  with pytest.raises(ValueError, match=r"inside the checkpoint step .*7.*whole step"):
+    ck.convert(item, item, target, overwrite=True)
+  with pytest.raises(ValueError, match=r"inside the checkpoint step"):
+    ck.convert(root / "6", root / "7" / "data" / "copy", target)
+  with pytest.raises(ValueError, match=r"lies inside the source"):
+    ck.convert(root / "7", root / "7" / "sub", target)
+  with pytest.raises(ValueError, match=r"holds the source"):
+    ck.convert(root / "7", root, target, overwrite=True)
+  assert not [p for p in ck.verify(root) if p.severity == "error"]
+  assert sorted(os.listdir(root / "7")) == sorted(os.listdir(root / "6"))
+  # The whole step, in place: converted, and it still verifies and restores.
+  ck.convert(root / "7", root / "7", target, overwrite=True)
+  assert not [p for p in ck.verify(root) if p.severity == "error"]
+  with ck.CheckpointManager(root, read_only=True) as mngr:
+    restored = mngr.restore(7, ck.EmbeddingRestore(target, make_mesh(2), AXIS))["embedding"]
+    assert mngr.all_steps() == [6, 7]
+  model.check(target, restored.tables, restored.slots)
 
 
 @pytest.mark.parametrize("host_memory, calls", [(None, 0), ("system", 0), ("return", 1)])

@@ -193,6 +193,21 @@ def test_verify_of_a_step_follows_its_chain(tmp_path):
     assert any("delta chain is broken: step 1 is missing" in p.message for p in errors), errors
 
 
+def test_verify_of_a_delta_item_reads_it_as_its_chain(tmp_path):
+  """A delta item inside a step is checked as its step is, not refused as no checkpoint."""
+  _, _, delta_root, _, _ = _train_side_by_side(tmp_path, 2, steps=4)
+  item = delta_root / "3" / "embedding"
+  assert not [p for p in ck.verify(item) if p.severity == "error"]
+  _edit_parent(delta_root, 2, 0)  # An earlier link of item's chain, edited.
+  errors = [p for p in ck.verify(item) if p.severity == "error"]
+  assert any("2/embedding/manifest.json" in str(p.path) for p in errors), errors
+  _edit_parent(delta_root, 2, 1)  # Undone: the step verifies again.
+  assert not [p for p in ck.verify(item) if p.severity == "error"]
+  shutil.rmtree(delta_root / "1")
+  errors = [p for p in ck.verify(item) if p.severity == "error"]
+  assert any("delta chain is broken: step 1 is missing" in p.message for p in errors), errors
+
+
 def test_a_failed_delta_save_leaves_the_previous_step_and_restarts_the_chain(tmp_path, monkeypatch):
   from checkpoint import _delta  # pylint: disable=g-import-not-at-top
 

@@ -134,6 +134,20 @@ def test_verify_cli_prints_one_line_per_problem_and_fails(root, capsys):
   assert main(["verify", str(root / "1" / "embedding")]) == 1
 
 
+def test_verify_of_an_item_in_a_step_checks_it_against_the_step_manifest(root, capsys):
+  """An edit that still parses (a slot's initial value) fails the step's manifest: verify of
+  the item alone must say so, as a restore or conversion of it does."""
+  item = root / "2" / "embedding"
+  manifest = item / "manifest.json"
+  data = json.loads(manifest.read_text())
+  data["groups"][0]["slots"][0]["initial_value"] = 0.5
+  manifest.write_text(json.dumps(data))
+  assert main(["verify", str(item)]) == 1
+  assert f"ERROR {manifest}: " in capsys.readouterr().out
+  with pytest.raises(ck.CorruptCheckpointError, match=str(manifest)):
+    ck.convert(item, root.parent / "out", "unstacked")
+
+
 def test_a_step_asked_for_by_number_is_never_replaced(root):
   meta = root / "2/meta/metadata"
   meta.write_text(meta.read_text().replace("}", ",", 1))  # Same size, broken JSON.

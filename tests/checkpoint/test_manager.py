@@ -262,3 +262,27 @@ def test_a_read_only_manager_restores_and_deletes_nothing(tmp_path):
   # A writing manager cleans the unfinished save up.
   ck.CheckpointManager(tmp_path).close()
   assert not in_progress.exists()
+
+
+def test_a_path_with_a_backslash_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+  """TensorStore reads '\\' as a separator: the arrays would land in tmp_path/a/b, outside
+  the checkpoint, and the step would commit without them."""
+  model, layout, embedding = _state()
+  odd = tmp_path / "a\\b"
+  with pytest.raises(ValueError, match=r"backslash.*outside"):
+    ck.CheckpointManager(odd / "ckpt")
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "c\\d").mkdir()
+  monkeypatch.chdir(tmp_path / "c\\d")  # A relative root under such a directory, too.
+  with pytest.raises(ValueError, match="backslash"):
+    ck.CheckpointManager("ckpt")
+  with ocp.Checkpointer(ck.EmbeddingCheckpointHandler()) as ckptr, pytest.raises(
+      ValueError, match="backslash"
+  ):
+    ckptr.save(odd / "item", args=embedding)
+  with ck.CheckpointManager(tmp_path / "ok") as mngr:
+    mngr.save(1, embedding)
+  with pytest.raises(ValueError, match="backslash"):
+    ck.convert(tmp_path / "ok" / "1", odd / "converted", "unstacked")
+  assert sorted(os.listdir(tmp_path)) == ["a\\b", "c\\d", "ok"]
+  assert not os.listdir(tmp_path / "c\\d") and not os.path.exists(tmp_path / "a" / "b")
