@@ -839,6 +839,12 @@ def test_good_inputs_pass():
         (dict(other=[[1], [2]]), ValueError, ["'other'", "2 samples", "batch size 4"]),
         (dict(user_id=DenseIds(np.ones((4, 2), np.int64), np.ones((4, 3)))), ValueError,
          ["'user_id'", "weights have shape (4, 3)"]),
+        # Weights of the ids' size but another shape are not reshaped: [2, 4] (or
+        # [8]) for ids [4, 2] would pair ids with other samples' weights.
+        (dict(user_id=DenseIds(np.ones((4, 2), np.int64), np.ones((2, 4)))), ValueError,
+         ["'user_id'", "weights have shape (2, 4) but the ids have (4, 2)"]),
+        (dict(user_id=DenseIds(np.ones((4, 2), np.int64), np.ones(8))), ValueError,
+         ["'user_id'", "weights have shape (8,) but the ids have (4, 2)"]),
         (dict(other=RaggedIds([1, 2, 3, 4], [0, 1, 2, 3, 4], [1.0, 2.0])), ValueError,
          ["'other'", "weights have shape (2,)"]),
         (dict(other=RaggedRows([[1], [2], [3], [4]], [[1.0], [2.0, 3.0], [1.0], [1]])),
@@ -879,6 +885,21 @@ def test_bad_input(change, error, fragments):
     preprocess(inputs, specs, layout)
   for fragment in fragments:
     assert fragment in str(info.value), (fragment, str(info.value))
+
+
+def test_one_id_per_sample_takes_weights_of_shape_b():
+  """Ids [B] or [B, 1] take weights [B] or [B, 1]: the same gains either way."""
+  table = TableSpec("t", 100, 8)  # 'sum': each gain is the id's weight
+  specs = [FeatureSpec("f", table, (4,))]
+  layout = auto_stack_tables(specs, 2)
+  ids, weights = np.array([7, 3, 9, 1]), np.array([0.5, 2.0, 3.0, 4.0], np.float32)
+  results = [preprocess({"f": DenseIds(i, w)}, specs, layout)[0]["t"]
+             for i in (ids, ids[:, None]) for w in (weights, weights[:, None])]
+  for batch in results[1:]:
+    for field, expected in zip(batch, results[0]):
+      assert_same_bits(field, expected)
+  gains = np.asarray(results[0].entry_gains)
+  assert sorted(gains[gains != 0].tolist()) == [0.5, 2.0, 3.0, 4.0]
 
 
 def test_missing_and_unknown_features():
