@@ -943,6 +943,15 @@ def test_one_id_per_sample_takes_weights_of_shape_b():
   assert sorted(gains[gains != 0].tolist()) == [0.5, 2.0, 3.0, 4.0]
 
 
+@pytest.mark.parametrize("flag", ["no", 0, None, 1.0])
+def test_allow_id_dropping_must_be_a_bool(flag):
+  """A truthy non-bool such as "no" would have turned dropping on."""
+  specs, layout = simple()
+  with pytest.raises(TypeError, match=rf"allow_id_dropping must be True or False, got {flag!r}"):
+    preprocess(good_inputs(), specs, layout, allow_id_dropping=flag)
+  preprocess(good_inputs(), specs, layout, allow_id_dropping=np.bool_(True))
+
+
 def test_missing_and_unknown_features():
   specs, layout = simple()
   inputs = good_inputs()
