@@ -224,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="checkpoints, metrics.jsonl and the plot; '' disables them")
   parser.add_argument("--save-every", type=integer_at_least(1), default=500,
                       help="steps between checkpoints")
-  parser.add_argument("--seed", type=int, default=0,
+  parser.add_argument("--seed", type=integer_at_least(0), default=0,
                       help="selects the source, the corpus and the initialisation")
   parser.add_argument("--learning-rate", type=positive_float, default=0.01,
                       help="dense Adam learning rate")

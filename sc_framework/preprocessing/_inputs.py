@@ -181,7 +181,10 @@ def _to_csr(value: FeatureInput, owner: str, padding_id: int | None):
   batch, width = ids.shape
   if weights is not None:
     weights = np.asarray(weights)
-    if weights.shape != ids.shape and weights.reshape(-1).shape == ids.reshape(-1).shape:
+    if width == 1 and weights.shape == (batch,):
+      # One id per sample: weights [B] go with ids [B] or [B, 1]. Any other
+      # reshape (e.g. weights [L, B] for ids [B, L]) would pair ids with
+      # other samples' weights, so the shapes must match.
       weights = weights.reshape(ids.shape)
     weights = _matching_weights(weights, ids, owner, "ids")
   if padding_id is None:

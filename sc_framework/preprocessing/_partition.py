@@ -64,7 +64,16 @@ def _factors(combiner: str, denominators: np.ndarray, owners: np.ndarray,
           f"{describe(int(bad[0]))}: its weights sum to 0 under the 'mean' combiner, so the"
           " mean is undefined. Give the sample weights with a nonzero sum, or use 'sum'."
       )
-  return factor.astype(np.float32)
+  with np.errstate(over="ignore"):
+    narrow = factor.astype(np.float32)
+  # Weights below about 1e-19 (sqrtn) or 1e-38 (mean) give factors beyond float32's
+  # range, and weights above about 1e19 (sqrtn) or 1e38 (mean) subnormal ones, although
+  # every gain w * factor is well within it: keep such factors in float64.
+  limits = np.finfo(np.float32)
+  magnitude = np.abs(narrow)
+  if ((magnitude <= limits.max) & ((magnitude >= limits.tiny) | (narrow == 0))).all():
+    return narrow
+  return factor
 
 
 def _overflow_error(stack: StackLayout, counts, unique_counts,
@@ -229,8 +238,25 @@ def partition_stack(
   if sequence_samples is not None and combiner != "sum":
     denominators = np.where(sequence_samples, 1, denominators)
   factor = _factors(combiner, denominators, owners, masses, describe_sample)
-  return _write_buffers(stack, capacity, local_batch, bounds, samples, located, factor,
-                        entry_weights), stats
+  batch = _write_buffers(stack, capacity, local_batch, bounds, samples, located, factor,
+                         entry_weights)
+  _check_finite_gains(batch, combiner, local_batch, describe_sample)
+  return batch, stats
+
+
+def _check_finite_gains(batch: StackBatch, combiner: str, local_batch: int,
+                        describe: Callable[[int], str]) -> None:
+  """Every gain is a finite float32: weights whose sums overflow it are an error."""
+  gains = batch.entry_gains
+  if np.isfinite(gains).all():
+    return
+  g, e = np.argwhere(~np.isfinite(gains))[0]
+  sample = int(g) * local_batch + int(batch.entry_samples[g, e])
+  raise ValueError(
+      f"{describe(sample)}: an id's weight under the {combiner!r} combiner gives the gain"
+      f" {gains[g, e]}, which float32 cannot hold: the sample's weights are too large (or"
+      " cancel too closely under 'mean'). Scale the weights down."
+  )
 
 
 def _write_buffers(stack: StackLayout, capacity: StackCapacity, local_batch: int, bounds,
@@ -262,7 +288,13 @@ def _write_buffers(stack: StackLayout, capacity: StackCapacity, local_batch: int
     entry_unique_index[g, :count] = located.unique_index[lo:hi]
     entry_unique_index[g, count:] = 0
     gains = entry_gains[g, :count]
-    if factor is not None:
+    if factor is not None and factor.dtype != np.float32:
+      product = factor[samples[lo:hi]]  # float64 (`_factors`)
+      if entry_weights is not None:
+        product *= entry_weights[lo:hi]
+      with np.errstate(over="ignore"):
+        gains[...] = product
+    elif factor is not None:
       np.take(factor, samples[lo:hi], out=gains)
       if entry_weights is not None:
         gains *= entry_weights[lo:hi]

@@ -16,6 +16,8 @@ import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from sc_framework.preprocessing._assemble import assemble_stack, locate_sample, sequence_samples
 from sc_framework.preprocessing._batch import PreprocessedBatch, StackBatch
 from sc_framework.preprocessing._inputs import FeatureInput, flatten_input
@@ -220,9 +222,11 @@ def preprocess(
     ValueError: a missing or unknown feature, a batch size that differs from
       the spec or is not divisible by G, an id outside [0, V) that is not the
       padding id, weights that do not match the ids or are not finite, a mean
-      over weights summing to 0, or (without dropping) a partition overflow;
+      over weights summing to 0, weights so large that a gain overflows
+      float32, or (without dropping) a partition overflow;
       each message names the feature or stack, the value and a fix.
-    TypeError: ids that are not integers, or a malformed input.
+    TypeError: ids that are not integers, a malformed input, or an
+      allow_id_dropping that is not a bool.
 
   Example:
     layout = auto_stack_tables(features, num_devices=jax.device_count())
@@ -232,6 +236,11 @@ def preprocess(
     local_batch, _ = preprocess(local_features, features, layout,
                                 devices=range(p * L, (p + 1) * L))
   """
+  if not isinstance(allow_id_dropping, (bool, np.bool_)):
+    raise TypeError(
+        f"allow_id_dropping must be True or False, got {allow_id_dropping!r}"
+        f" ({type(allow_id_dropping).__name__})."
+    )
   batches: dict[str, StackBatch] = {}
   stats = {}
   for work in _stacks(features, feature_specs, layout, padding_id, capacities, devices):

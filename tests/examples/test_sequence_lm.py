@@ -42,6 +42,8 @@ def test_any_text_file(tmp_path):
     [
         (["--steps", "-1"], "argument --steps: must be >= 0, got -1"),
         (["--batch-size", "0"], "argument --batch-size: must be >= 1, got 0"),
+        # The corpus and windows are seeded by SeedSequence([seed, ...]): seed >= 0.
+        (["--seed", "-1"], "argument --seed: must be >= 0, got -1"),
         (["--learning-rate", "nan"], "argument --learning-rate: must be a number > 0, got nan"),
         (["--vocab", "4", "--successors", "5"], "--successors 5 exceeds --vocab 4"),
         (["--batch-size", "12"], "--batch-size 12 is not a multiple of the 8 devices"),

@@ -395,6 +395,47 @@ def test_all_zero_weights_give_zero_gains(combiner):
   assert_close(batch.entry_gains[0, :3], [0.0, 0.0, want], terms=2)
 
 
+@pytest.mark.parametrize("dropping", [False, True])
+@pytest.mark.parametrize("combiner", ["mean", "sqrtn"])
+@pytest.mark.parametrize("scale", [1e-44, 1e-39, 1e-25, 1e25, 1e37])
+def test_mean_and_sqrtn_gains_of_tiny_and_huge_weights(scale, combiner, dropping):
+  """Gains w / sum w and w / sqrt(sum w^2) do not depend on the weights' scale.
+
+  Their factors 1 / sum w and 1 / sqrt(sum w^2) leave float32's normal range for
+  weights of such scales (inf or subnormal), while every gain is of order 1.
+  """
+  table = TableSpec("t", 16, 8, combiner=combiner)
+  specs = [FeatureSpec("f", table, (2, 3))]
+  layout = auto_stack_tables(specs, 1)
+  ids = np.array([[3, 4, 5], [6, 6, 7]])
+  unit = np.array([[1.0, 2.0, 1.0], [1.0, 1.0, -1.5]])
+  weights = (unit * scale).astype(np.float32)
+  batch = preprocess({"f": DenseIds(ids, weights)}, specs, layout,
+                     allow_id_dropping=dropping)[0]["t"]
+  w = weights.astype(np.float64)  # as given (subnormal weights are rounded)
+  merged = np.array([w[0, 0], w[0, 1], w[0, 2], w[1, 0] + w[1, 1], w[1, 2]])
+  owner = np.array([0, 0, 0, 1, 1])  # entries (0,3) (0,4) (0,5) (1,6) (1,7)
+  if combiner == "mean":
+    factor = 1 / w.sum(1)
+  else:
+    factor = 1 / np.sqrt((w**2).sum(1))
+  assert batch.entry_samples[0, :5].tolist() == owner.tolist()
+  assert_close(batch.entry_gains[0, :5], merged * factor[owner], terms=3)
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_weights_whose_gain_overflows_float32_are_an_error(combiner):
+  """Repeated ids of weight 3e38 merge into an entry of weight 6e38 > float32's max."""
+  table = TableSpec("t", 16, 8, combiner=combiner)
+  specs = [FeatureSpec("f", table, (2, 2))]
+  layout = auto_stack_tables(specs, 1)
+  ids = DenseIds(np.array([[3, 4], [5, 5]]), np.full((2, 2), 3e38, np.float32))
+  with pytest.raises(ValueError, match=rf"feature 'f' \(table 't'\) sample 1: .*{combiner!r}"
+                     r" combiner gives the gain inf, which float32 cannot hold"):
+    with np.errstate(over="ignore"):
+      preprocess({"f": ids}, specs, layout)
+
+
 def test_shapes_do_not_depend_on_content():
   specs = model()
   layout = auto_stack_tables(specs, 2, 2)
@@ -839,6 +880,12 @@ def test_good_inputs_pass():
         (dict(other=[[1], [2]]), ValueError, ["'other'", "2 samples", "batch size 4"]),
         (dict(user_id=DenseIds(np.ones((4, 2), np.int64), np.ones((4, 3)))), ValueError,
          ["'user_id'", "weights have shape (4, 3)"]),
+        # Weights of the ids' size but another shape are not reshaped: [2, 4] (or
+        # [8]) for ids [4, 2] would pair ids with other samples' weights.
+        (dict(user_id=DenseIds(np.ones((4, 2), np.int64), np.ones((2, 4)))), ValueError,
+         ["'user_id'", "weights have shape (2, 4) but the ids have (4, 2)"]),
+        (dict(user_id=DenseIds(np.ones((4, 2), np.int64), np.ones(8))), ValueError,
+         ["'user_id'", "weights have shape (8,) but the ids have (4, 2)"]),
         (dict(other=RaggedIds([1, 2, 3, 4], [0, 1, 2, 3, 4], [1.0, 2.0])), ValueError,
          ["'other'", "weights have shape (2,)"]),
         (dict(other=RaggedRows([[1], [2], [3], [4]], [[1.0], [2.0, 3.0], [1.0], [1]])),
@@ -879,6 +926,30 @@ def test_bad_input(change, error, fragments):
     preprocess(inputs, specs, layout)
   for fragment in fragments:
     assert fragment in str(info.value), (fragment, str(info.value))
+
+
+def test_one_id_per_sample_takes_weights_of_shape_b():
+  """Ids [B] or [B, 1] take weights [B] or [B, 1]: the same gains either way."""
+  table = TableSpec("t", 100, 8)  # 'sum': each gain is the id's weight
+  specs = [FeatureSpec("f", table, (4,))]
+  layout = auto_stack_tables(specs, 2)
+  ids, weights = np.array([7, 3, 9, 1]), np.array([0.5, 2.0, 3.0, 4.0], np.float32)
+  results = [preprocess({"f": DenseIds(i, w)}, specs, layout)[0]["t"]
+             for i in (ids, ids[:, None]) for w in (weights, weights[:, None])]
+  for batch in results[1:]:
+    for field, expected in zip(batch, results[0]):
+      assert_same_bits(field, expected)
+  gains = np.asarray(results[0].entry_gains)
+  assert sorted(gains[gains != 0].tolist()) == [0.5, 2.0, 3.0, 4.0]
+
+
+@pytest.mark.parametrize("flag", ["no", 0, None, 1.0])
+def test_allow_id_dropping_must_be_a_bool(flag):
+  """A truthy non-bool such as "no" would have turned dropping on."""
+  specs, layout = simple()
+  with pytest.raises(TypeError, match=rf"allow_id_dropping must be True or False, got {flag!r}"):
+    preprocess(good_inputs(), specs, layout, allow_id_dropping=flag)
+  preprocess(good_inputs(), specs, layout, allow_id_dropping=np.bool_(True))
 
 
 def test_missing_and_unknown_features():
