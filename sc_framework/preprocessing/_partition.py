@@ -240,7 +240,8 @@ def partition_stack(
   factor = _factors(combiner, denominators, owners, masses, describe_sample)
   batch = _write_buffers(stack, capacity, local_batch, bounds, samples, located, factor,
                          entry_weights)
-  _check_finite_gains(batch, combiner, local_batch, describe_sample)
+  if weights is not None:  # without weights every gain is 1, 1/n or 1/sqrt(n)
+    _check_finite_gains(batch, combiner, local_batch, describe_sample)
   return batch, stats
 
 
