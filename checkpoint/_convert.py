@@ -76,6 +76,9 @@ ConversionProgress = Callable[[int, int, str], None]
 """progress(bytes_done, bytes_total, what): called after every block written."""
 
 _TMP_SUFFIX = ocp.path.atomicity.TMP_DIR_SUFFIX
+# A directory being replaced (by `convert` with overwrite, or `compact`) is set aside as
+# `<name>.replaced` until its replacement is in place.
+REPLACED_SUFFIX = ".replaced"
 _DEFAULT_BLOCK_BYTES = 32 << 20
 _CACHE_BLOCKS = 8  # The source chunk cache holds this many blocks' bytes.
 # Threads writing blocks. Writing (the kernel's copy into the page cache and
@@ -198,10 +201,34 @@ def convert(
   except BaseException:
     tmp.rmtree(missing_ok=True)
     raise
-  if dst.exists():
-    dst.rmtree()
-  tmp.rename(dst)
+  _put_in_place(tmp, dst)
   return dst if item is None or item == src else dst / item.name
+
+
+def _put_in_place(tmp: epath.Path, dst: epath.Path) -> None:
+  """Renames the complete conversion `tmp` to `dst`, replacing what is there by renames.
+
+  The old `dst` is renamed `<dst>.replaced` before the new one takes its
+  place, and only then deleted: a crash at any point leaves the old or the
+  new one complete under `dst` or `<dst>.replaced`, never a half-deleted
+  step. Under a CheckpointManager root (a step converted in place), the next
+  writable manager resolves what is left as for an interrupted compaction
+  (`checkpoint._compact`): the old step is renamed back, or the leftover
+  removed beside the new one.
+  """
+  if not dst.exists():
+    tmp.rename(dst)
+    return
+  replaced = dst.parent / (dst.name + REPLACED_SUFFIX)
+  if _integrity.is_link(replaced) or replaced.exists():
+    raise FileExistsError(
+        f"{replaced} is in the way of replacing {dst} (left by an interrupted replacement?);"
+        f" the conversion is complete at {tmp}. Remove or move {replaced} and rename {tmp} to"
+        f" {dst}."
+    )
+  dst.rename(replaced)
+  tmp.rename(dst)
+  replaced.rmtree()
 
 
 def _absolute(path: epath.Path) -> tuple[str, ...]:
