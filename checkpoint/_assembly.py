@@ -182,8 +182,10 @@ def _common_dtype(reader, stack: StackLayout, names, slot: str | None, wanted) -
   if wanted is not None and np.dtype(wanted) != dtype:
     raise IncompatibleCheckpointError(
         f"stack {stack.name!r}: the checkpoint {reader.directory} stores its {what} as"
-        f" {dtype.name}, but {np.dtype(wanted).name} was requested. Restore with dtype=None"
-        " and cast the arrays, or save the model in the new dtype."
+        f" {dtype.name}, but {np.dtype(wanted).name} was requested. Convert the checkpoint"
+        f" first (`sc-checkpoint convert SRC DST --table-dtype {np.dtype(wanted).name}`, or"
+        " checkpoint.convert(..., table_dtype=...)), or restore with dtype=None and cast the"
+        " arrays."
     )
   return dtype
 

@@ -34,13 +34,12 @@ from etils import epath
 
 from checkpoint import _integrity, _steps
 from checkpoint._chain import ChainReader, open_reader
-from checkpoint._convert import ConversionProgress, convert
+from checkpoint._convert import REPLACED_SUFFIX, ConversionProgress, convert
 from checkpoint._errors import NotACheckpointError
 from checkpoint._format import MANIFEST_FILE
 from checkpoint._reader import find_item
 
 COMPACTING_SUFFIX = ".compacting"
-REPLACED_SUFFIX = ".replaced"
 _LEFT_BEHIND = re.compile(
     r"^(\d+)(" + re.escape(COMPACTING_SUFFIX) + "|" + re.escape(REPLACED_SUFFIX) + r")"
 )

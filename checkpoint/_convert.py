@@ -76,6 +76,9 @@ ConversionProgress = Callable[[int, int, str], None]
 """progress(bytes_done, bytes_total, what): called after every block written."""
 
 _TMP_SUFFIX = ocp.path.atomicity.TMP_DIR_SUFFIX
+# A directory being replaced (by `convert` with overwrite, or `compact`) is set aside as
+# `<name>.replaced` until its replacement is in place.
+REPLACED_SUFFIX = ".replaced"
 _DEFAULT_BLOCK_BYTES = 32 << 20
 _CACHE_BLOCKS = 8  # The source chunk cache holds this many blocks' bytes.
 # Threads writing blocks. Writing (the kernel's copy into the page cache and
@@ -90,6 +93,7 @@ def convert(
     target: EmbeddingLayout | Literal["unstacked"],
     *,
     storage: StorageOptions | None = None,
+    table_dtype=None,
     block_bytes: int = _DEFAULT_BLOCK_BYTES,
     progress: ConversionProgress | None = None,
     overwrite: bool = False,
@@ -117,6 +121,10 @@ def convert(
     dst: where to write; must not exist unless `overwrite`.
     target: an EmbeddingLayout of the same tables, or 'unstacked'.
     storage: codecs and chunk size of the output (default: the source's).
+    table_dtype: the dtype of the output's tables, "float32" or "bfloat16"
+      (default: the source's). Each value is rounded to nearest (ties to
+      even), as a bfloat16 Trainer rounds its updated rows; slots are copied
+      as they are (a Trainer keeps them in float32 either way).
     block_bytes: the most bytes of output assembled at once; source chunks
       are kept in a cache of at most 8 x block_bytes (see the module
       docstring).
@@ -160,6 +168,7 @@ def convert(
     raise ValueError(f"block_bytes must be a positive int, got {block_bytes!r}.")
   if target != "unstacked" and not isinstance(target, EmbeddingLayout):
     raise TypeError(f"target must be an EmbeddingLayout or 'unstacked', got {target!r}.")
+  table_dtype = _table_dtype(table_dtype)
   # Every file read below is checked against its step's manifest first: the
   # output gets a fresh manifest, so nothing unverified may reach it.
   foreign = verify_source(src, item)
@@ -182,18 +191,44 @@ def convert(
     else:
       out = tmp
     if target == "unstacked":
-      _write_unstacked(reader, out, storage, block_bytes, cache.max_bytes, progress)
+      _write_unstacked(reader, out, storage, block_bytes, cache.max_bytes, progress, table_dtype)
     else:
-      _write_stacked(reader, out, target, storage, block_bytes, cache.max_bytes, progress)
+      _write_stacked(
+          reader, out, target, storage, block_bytes, cache.max_bytes, progress, table_dtype
+      )
     if out != tmp:
       _integrity.write_manifest(tmp)  # The converted step is complete.
   except BaseException:
     tmp.rmtree(missing_ok=True)
     raise
-  if dst.exists():
-    dst.rmtree()
-  tmp.rename(dst)
+  _put_in_place(tmp, dst)
   return dst if item is None or item == src else dst / item.name
+
+
+def _put_in_place(tmp: epath.Path, dst: epath.Path) -> None:
+  """Renames the complete conversion `tmp` to `dst`, replacing what is there by renames.
+
+  The old `dst` is renamed `<dst>.replaced` before the new one takes its
+  place, and only then deleted: a crash at any point leaves the old or the
+  new one complete under `dst` or `<dst>.replaced`, never a half-deleted
+  step. Under a CheckpointManager root (a step converted in place), the next
+  writable manager resolves what is left as for an interrupted compaction
+  (`checkpoint._compact`): the old step is renamed back, or the leftover
+  removed beside the new one.
+  """
+  if not dst.exists():
+    tmp.rename(dst)
+    return
+  replaced = dst.parent / (dst.name + REPLACED_SUFFIX)
+  if _integrity.is_link(replaced) or replaced.exists():
+    raise FileExistsError(
+        f"{replaced} is in the way of replacing {dst} (left by an interrupted replacement?);"
+        f" the conversion is complete at {tmp}. Remove or move {replaced} and rename {tmp} to"
+        f" {dst}."
+    )
+  dst.rename(replaced)
+  tmp.rename(dst)
+  replaced.rmtree()
 
 
 def _absolute(path: epath.Path) -> tuple[str, ...]:
@@ -232,6 +267,29 @@ def _check_destination(src: epath.Path, dst: epath.Path) -> None:
           f" Convert the whole step instead: with {parent} as both source and destination"
           " (and overwrite) it is converted in place."
       )
+
+
+_TABLE_DTYPES = ("float32", "bfloat16")
+
+
+def _table_dtype(value) -> np.dtype | None:
+  """The output table dtype asked for (None: the source's), checked."""
+  if value is None:
+    return None
+  try:
+    dtype = numpy_dtype(value) if isinstance(value, str) else np.dtype(value)
+  except TypeError:
+    dtype = None
+  if dtype is None or dtype.name not in _TABLE_DTYPES:
+    raise ValueError(f"table_dtype must be one of {list(_TABLE_DTYPES)} or None, got {value!r}.")
+  return dtype
+
+
+def _cast_block(writer, data: np.ndarray, dtype: np.dtype) -> np.ndarray:
+  """`data` in `dtype` (rounded to nearest, ties to even), in a block buffer of the writer."""
+  cast = writer.buffer(data.shape, dtype)
+  cast[...] = data.astype(dtype)
+  return cast
 
 
 def _check_every_table_placed(reader, target: EmbeddingLayout) -> None:
@@ -481,11 +539,13 @@ def _cache_bytes(reader, tables, slot: str | None, span_bytes: int, limit: int) 
   return min(limit, span_bytes + edges)
 
 
-def _write_stacked(reader, out, layout, storage, block_bytes, cache_limit, progress) -> None:
+def _write_stacked(
+    reader, out, layout, storage, block_bytes, cache_limit, progress, table_dtype=None
+) -> None:
   assemblies = assemble_stacked(reader, layout)
   dtypes = {}
   for name, assembly in assemblies.items():
-    dtypes[(name, None)] = assembly.dtype
+    dtypes[(name, None)] = assembly.dtype if table_dtype is None else table_dtype
     dtypes.update({(name, spec.name): assembly.slot_dtypes[spec.name] for spec in assembly.slot_specs})
   slot_specs = {name: assembly.slot_specs for name, assembly in assemblies.items()}
   manifest = _save.stacked_manifest(layout, dtypes, slot_specs, storage)
@@ -516,20 +576,25 @@ def _write_stacked(reader, out, layout, storage, block_bytes, cache_limit, progr
           stack.num_shards, stack.rows_per_shard, unit, row_bytes, block_bytes, band
       )
       for start, stop in ranges:
-        data = writer.buffer((stop - start, info.shape[1]), dtype)
-        data = build_block(reader, assembly, slot, start, stop, out=data)
+        if dtype == assembly.array_dtype(slot):
+          data = writer.buffer((stop - start, info.shape[1]), dtype)
+          data = build_block(reader, assembly, slot, start, stop, out=data)
+        else:  # Another table dtype: assembled as stored, then rounded.
+          data = _cast_block(writer, build_block(reader, assembly, slot, start, stop), dtype)
         yield group.name, slot, start, data, _what(group.name, slot, start, stop)
 
   _written(writer, blocks())
   _save.write_metadata(out, manifest, layout)
 
 
-def _write_unstacked(reader, out, storage, block_bytes, cache_limit, progress) -> None:
+def _write_unstacked(
+    reader, out, storage, block_bytes, cache_limit, progress, table_dtype=None
+) -> None:
   tables = {name: reader.table_shape(name) for name in reader.table_names}
   dtypes, slot_specs = {}, {}
   for name in tables:
     slot_specs[name] = reader.slot_specs(name)
-    dtypes[(name, None)] = reader.dtype(name)
+    dtypes[(name, None)] = reader.dtype(name) if table_dtype is None else table_dtype
     dtypes.update({(name, spec.name): reader.dtype(name, spec.name) for spec in slot_specs[name]})
   manifest = _save.unstacked_manifest(tables, dtypes, slot_specs, storage)
   writer = _Writer(out, manifest, progress, block_bytes // 2)
@@ -541,9 +606,13 @@ def _write_unstacked(reader, out, storage, block_bytes, cache_limit, progress) -
       ranges = list(_blocks(info.shape[0], info.chunk_rows, row_bytes, block_bytes))
       span = max(stop - start for start, stop in ranges) * row_bytes
       reader.chunk_cache.resize(_cache_bytes(reader, [group.name], slot, span, cache_limit))
+      stored = reader.dtype(group.name, slot)
       for start, stop in ranges:
-        data = writer.buffer((stop - start, info.shape[1]), dtype)
+        shape = (stop - start, info.shape[1])
+        data = writer.buffer(shape, dtype) if dtype == stored else host_buffer(shape, stored)
         reader.fill_strided_rows(data, [(group.name, slot, start, 1, stop - start, 0)])
+        if dtype != stored:  # Another table dtype: read as stored, then rounded.
+          data = _cast_block(writer, data, dtype)
         yield group.name, slot, start, data, _what(group.name, slot, start, stop)
 
   _written(writer, blocks())

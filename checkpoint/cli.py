@@ -4,6 +4,7 @@
   sc-checkpoint verify PATH [--adopt]
   sc-checkpoint convert SRC DST (--layout FILE | --num-devices G
                                  [--shards-per-device S] [--groups 'a,b;c'] | --unstacked)
+                                [--table-dtype float32|bfloat16]
   sc-checkpoint compact STEP_DIR
 
 A delta (incremental) step reads as its chain: `inspect` lists the chain
@@ -104,6 +105,12 @@ def _parser() -> argparse.ArgumentParser:
       help="per-chunk CRC32C of the output (default: as the source)",
   )
   conv.add_argument(
+      "--table-dtype", choices=["float32", "bfloat16"],
+      help="dtype of the output's tables, each value rounded to nearest (default: as the"
+      " source); slots are copied as they are. A Trainer resumes only tables of its"
+      " table_dtype",
+  )
+  conv.add_argument(
       "--overwrite", action="store_true",
       help="replace DST if it exists (once the new one is complete)",
   )
@@ -172,10 +179,12 @@ def _target(args: argparse.Namespace, reader: CheckpointReader):
           "--unstacked takes no --layout, --num-devices, --shards-per-device or --groups."
       )
     return "unstacked"
+  if not flags and not args.layout and args.table_dtype is not None:
+    return reader.layout if reader.layout is not None else "unstacked"  # The dtype only.
   if not flags and not args.layout:
     raise ValueError(
-        "choose a target: --layout FILE, --num-devices/--shards-per-device/--groups, or"
-        " --unstacked."
+        "choose a target: --layout FILE, --num-devices/--shards-per-device/--groups,"
+        " --unstacked, or --table-dtype alone (the source's layout in another dtype)."
     )
   base = reader.layout
   if args.layout:
@@ -307,6 +316,7 @@ def _convert(args: argparse.Namespace) -> int:
       args.dst,
       target,
       storage=storage,
+      table_dtype=args.table_dtype,
       progress=None if args.quiet else _Progress(),
       overwrite=args.overwrite,
       host_memory="return",  # A process of its own: keep its peak memory flat.

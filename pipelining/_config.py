@@ -37,7 +37,8 @@ class TrainerConfig:
       slots stay float32, each updated row is rounded to the table dtype,
       and the model receives activations in the table dtype.
       Checkpoints store the tables in this dtype, and a checkpoint of the
-      other dtype is refused (convert it first).
+      other dtype is refused (convert it first: `sc-checkpoint convert
+      --table-dtype`).
     backend: the embedding backend of every lookup and sparse update: "auto"
       (the best registered one for the mesh's devices), a registered name
       ("xla", "cpu", ...) or an `sc_framework.primitives.EmbeddingBackend`

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import ml_dtypes
+import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
@@ -134,6 +136,34 @@ def test_convert_unstacked_and_restack(saved, tmp_path):
       == 0
   )
   assert len(ck.CheckpointReader(tmp_path / "sep").layout.stacks) == 4
+
+
+def test_convert_changes_the_table_dtype_rounding_to_nearest(saved, tmp_path):
+  """A Trainer resumes only tables of its table_dtype: convert makes the other one."""
+  model, layout, root = saved
+  assert main(["convert", str(root / "3"), str(tmp_path / "bf16"), "--table-dtype", "bfloat16",
+               "--quiet"]) == 0
+  reader = ck.CheckpointReader(tmp_path / "bf16" / "embedding")
+  assert reader.layout == layout  # --table-dtype alone keeps the source's layout
+  assert {reader.dtype(name) for name in reader.table_names} == {np.dtype(ml_dtypes.bfloat16)}
+  arrays = ck.EmbeddingCheckpointHandler().restore(tmp_path / "bf16" / "embedding",
+                                                   ck.TableRestore())
+  for name, logical in model.logical.items():
+    assert_same_bits(arrays.tables[name], logical.astype(ml_dtypes.bfloat16))
+    for slot, values in model.slots[name].items():
+      assert_same_bits(arrays.slots[name][slot], values)  # slots stay float32
+  assert main(["verify", str(tmp_path / "bf16")]) == 0
+  # To per-table arrays and back to float32 on another layout: the rounded values, widened.
+  assert main(["convert", str(tmp_path / "bf16"), str(tmp_path / "u"), "--unstacked",
+               "--table-dtype", "float32", "--quiet"]) == 0
+  assert main(["convert", str(tmp_path / "u"), str(tmp_path / "f32"), "--num-devices", "2",
+               "--quiet"]) == 0
+  arrays = ck.EmbeddingCheckpointHandler().restore(tmp_path / "f32" / "embedding",
+                                                   ck.TableRestore())
+  for name, logical in model.logical.items():
+    assert_same_bits(arrays.tables[name], logical.astype(ml_dtypes.bfloat16).astype(np.float32))
+  with pytest.raises(ValueError, match="table_dtype must be one of"):
+    ck.convert(root / "3", tmp_path / "f16", layout, table_dtype="float16")
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -262,6 +263,40 @@ def test_a_destination_inside_a_step_or_the_source_or_holding_it_is_refused(tmp_
     restored = mngr.restore(7, ck.EmbeddingRestore(target, make_mesh(2), AXIS))["embedding"]
     assert mngr.all_steps() == [6, 7]
   model.check(target, restored.tables, restored.slots)
+
+
+@pytest.mark.filterwarnings("ignore:.*(is skipped|interrupted compaction).*:RuntimeWarning")
+def test_a_crash_while_a_step_is_converted_in_place_loses_no_step(tmp_path, monkeypatch):
+  """The old step was deleted (rmtree) before the new one took its name: a crash in between
+  left a half-deleted step and the complete copy under a temporary name, which the next
+  manager removed as an unfinished save."""
+  model = make_model([spec + (Adam(),) for spec in TABLES], seed=6)
+  layout = model.layout([["a", "b"], ["c"], ["d"]], 8)
+  tables, slots = model.state(layout)
+  root = tmp_path / "run"
+  with ck.CheckpointManager(root) as mngr:
+    mngr.save(7, ck.EmbeddingSave(tables, slots, layout, model.slot_specs(layout)),
+              items={"data": ocp.args.JsonSave({"position": 7})})
+  target = ck.relayout(layout, num_devices=2, shards_per_device=2)
+  step = epath.Path(root / "7")
+  rmtree = type(step).rmtree
+
+  def crashing_rmtree(path, *args, **kwargs):
+    if path.name.startswith("7") and "orbax-checkpoint-tmp" not in path.name:
+      (path / "embedding" / "manifest.json").unlink()  # Half deleted ...
+      raise KeyboardInterrupt("the process dies")  # ... when the process dies.
+    return rmtree(path, *args, **kwargs)
+
+  monkeypatch.setattr(type(step), "rmtree", crashing_rmtree)
+  with pytest.raises(KeyboardInterrupt):
+    ck.convert(step, step, target, overwrite=True)
+  monkeypatch.undo()
+  with ck.CheckpointManager(root) as mngr:  # A writable manager resolves what is left.
+    assert mngr.all_steps() == [7]
+    restored = mngr.restore(7, ck.EmbeddingRestore(target, make_mesh(2), AXIS))["embedding"]
+  model.check(target, restored.tables, restored.slots)
+  assert sorted(os.listdir(root)) == ["7"]
+  assert ck.CheckpointReader(step / "embedding").layout == target  # The converted one.
 
 
 @pytest.mark.parametrize("host_memory, calls", [(None, 0), ("system", 0), ("return", 1)])

@@ -17,7 +17,8 @@ import optax
 import pytest
 from flax import linen as nn
 
-from checkpoint import IncompatibleCheckpointError
+from checkpoint import CheckpointManager, IncompatibleCheckpointError, TableRestore
+from checkpoint.cli import main as cli
 from pipelining import Trainer
 from sc_framework.optimizers import Adagrad
 from sc_framework.stacking import EmbeddingLayout, unstack
@@ -189,6 +190,33 @@ def test_a_checkpoint_of_another_table_dtype_is_refused(tmp_path):
   make_trainer(tmp_path, table_dtype="bfloat16").fit(batches, callbacks=[stop_at(STOP)])
   with pytest.raises(IncompatibleCheckpointError, match="bfloat16.*float32"):
     make_trainer(tmp_path).fit(batches)
+
+
+def test_a_float32_checkpoint_converted_to_bfloat16_resumes_in_a_bfloat16_trainer(tmp_path):
+  """The refusal above says to convert first: `sc-checkpoint convert --table-dtype` does it,
+  rounding each table value to nearest; a pipelined checkpoint's batch in flight comes along."""
+  batches = make_batches(NUM_BATCHES, seed=41)
+  make_trainer(tmp_path / "f32", pipelining=True).fit(batches, callbacks=[stop_at(STOP)])
+  with pytest.raises(IncompatibleCheckpointError, match="--table-dtype bfloat16"):
+    make_trainer(tmp_path / "f32", pipelining=True, table_dtype="bfloat16").fit(batches)
+  with CheckpointManager(tmp_path / "f32" / "checkpoints", read_only=True) as mngr:
+    stored = mngr.restore(STOP, TableRestore())["embedding"]
+  assert cli(["convert", str(tmp_path / "f32" / "checkpoints"),
+              str(tmp_path / "bf16" / "checkpoints" / str(STOP)), "--table-dtype", "bfloat16",
+              "--quiet"]) == 0
+  restored = make_trainer(tmp_path / "bf16", pipelining=True, table_dtype="bfloat16")
+  restored.fit(batches, num_steps=STOP)  # Restores step STOP; no step is left to run.
+  state = logical_state(restored)
+  assert state["step"] == STOP
+  for name, table in stored.tables.items():
+    assert_same_bits(state["tables"][name], table.astype(jnp.bfloat16))
+    assert_same_bits(state["slots"][name], stored.slots[name]["accumulator"])
+  resumed = make_trainer(tmp_path / "bf16", pipelining=True, table_dtype="bfloat16")
+  history = resumed.fit(batches)
+  assert history.resumed_from == STOP and history.final_step == NUM_BATCHES
+  assert {t.dtype for t in logical_state(resumed)["tables"].values()} == {
+      jnp.dtype(jnp.bfloat16)}
+  assert all(np.isfinite(m["loss"]) for m in history.metrics)
 
 
 def test_table_dtype_errors_name_the_value():
