@@ -103,6 +103,11 @@ class TrainerConfig:
   incremental: IncrementalPolicy | None = None
 
   def __post_init__(self):
+    for name in ("pipelining", "allow_id_dropping", "save_on_nonfinite"):
+      value = getattr(self, name)
+      if not isinstance(value, bool):
+        # A truthy string such as "False" would silently turn the option on.
+        raise TypeError(f"TrainerConfig.{name} must be True or False, got {value!r}.")
     for name in ("prefetch_depth", "shards_per_device", "keep", "log_every"):
       check_count(f"TrainerConfig.{name}", getattr(self, name), minimum=1)
     check_count("TrainerConfig.save_every", self.save_every, minimum=1, optional=True)

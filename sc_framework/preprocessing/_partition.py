@@ -230,10 +230,16 @@ def partition_stack(
     stats = dataclasses.replace(stats, num_dropped_ids=merged.num_ids - merged.kept_ids(keep))
     if combiner == "sum":
       denominators = lengths  # unused: 'sum' has no factor
+    elif weights is None:
+      denominators = np.bincount(samples, entry_weights, minlength=total)  # kept ids
     else:
-      mass = (merged.entry_sum(np.square(weights, dtype=np.float64))[keep]
-              if combiner == "sqrtn" and weights is not None else entry_weights)
-      denominators = np.bincount(samples, mass, minlength=total)
+      # Over the kept ids themselves, in the order and precision of the branch
+      # above: a sample that lost no id gets the factor it has without dropping,
+      # bit for bit (also when another device overflowed, or when a process
+      # preprocesses only its devices).
+      ids_kept = keep if merged.first is None else keep[np.cumsum(merged.first) - 1]
+      mass = weights if combiner == "mean" else np.square(weights, dtype=np.float64)
+      denominators = np.bincount(stack_keys.samples[ids_kept], mass[ids_kept], minlength=total)
     owners, masses = samples, entry_weights
   if sequence_samples is not None and combiner != "sum":
     denominators = np.where(sequence_samples, 1, denominators)

@@ -278,6 +278,9 @@ def test_config_errors_name_the_option():
     TrainerConfig(save_every=True, workdir="unused")
   with pytest.raises(ValueError, match=r"TrainerConfig.prefetch_depth must be an int >= 1, got 0"):
     TrainerConfig(prefetch_depth=0)
+  for name in ("pipelining", "allow_id_dropping", "save_on_nonfinite"):
+    with pytest.raises(TypeError, match=rf"TrainerConfig.{name} must be True or False, got 'no'"):
+      TrainerConfig(**{name: "no"})
 
 
 @pytest.mark.parametrize("arguments, message", [

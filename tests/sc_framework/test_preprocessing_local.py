@@ -32,9 +32,10 @@ def local_slice(samples_by_feature, specs, devices: range):
   return out
 
 
-def skewed_specs():
+def skewed_specs(combiner="mean"):
   """`skewed_model` (small limits, so ids overflow) with batch sizes divisible by G."""
-  return [FeatureSpec(s.name, s.table, (s.batch_size * 2, None)) for s in skewed_model()]
+  return [FeatureSpec(s.name, s.table, (s.batch_size * 2, None))
+          for s in skewed_model(combiner)]
 
 
 def forms_of(samples_by_feature, form, weighted):
@@ -92,6 +93,31 @@ def test_dropping_is_the_same_locally(local_devices):
                         allow_id_dropping=True)
   assert stats.num_dropped_ids > 0  # the case exercises dropping
   assert_local_matches_global(specs, layout, samples, "ragged_list", True, local_devices,
+                              allow_id_dropping=True)
+
+
+@pytest.mark.parametrize("combiner", ["mean", "sqrtn"])
+def test_dropping_with_weights_is_the_same_locally(combiner):
+  """Weighted ids, repeated within samples: a sample's mean/sqrtn factor must not
+  depend on whether another device (absent from a local call) overflowed."""
+  rng = np.random.default_rng(zlib.crc32(combiner.encode()))
+  specs = skewed_specs(combiner)
+  layout = auto_stack_tables(specs, G)
+  samples = {
+      spec.name: [[(int(i), float(rng.uniform(0.1, 1.0))) for i in rng.integers(0, 6, n)]
+                  for n in rng.integers(0, 12, spec.batch_size)]
+      for spec in specs
+  }
+  # Device 0 gets many distinct ids: it overflows, the others need not.
+  for spec in specs:
+    per_device = spec.batch_size // G
+    for b in range(per_device):
+      samples[spec.name][b] = [(int(i), float(rng.uniform(0.1, 1.0)))
+                               for i in rng.integers(0, 40, 10)]
+  _, stats = preprocess(forms_of(samples, "ragged_list", True), specs, layout,
+                        allow_id_dropping=True)
+  assert stats.num_dropped_ids > 0  # the case exercises dropping
+  assert_local_matches_global(specs, layout, samples, "ragged_list", True, 1,
                               allow_id_dropping=True)
 
 
