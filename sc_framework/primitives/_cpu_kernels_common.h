@@ -235,16 +235,15 @@ inline void Axpy(float* out, const float* x, float a, int64_t dim) {
   for (int64_t d = 0; d < dim; ++d) out[d] += a * x[d];
 }
 
-// Prefetches the cache lines of the `count` floats at p, for reading
-// (kWrite 0) or writing (1), into every cache level (kLocality 3) or into
-// the second level and beyond (kLocality 2).
-template <int kWrite, int kLocality = 3>
+// Prefetches the cache lines of the `count` floats at p into every cache
+// level, for reading (kWrite 0) or writing (1).
+template <int kWrite>
 inline void PrefetchFloats(const float* p, int64_t count) {
   const char* const end = reinterpret_cast<const char*>(p + count);
   for (const char* line = reinterpret_cast<const char*>(p); line < end; line += 64) {
-    __builtin_prefetch(line, kWrite, kLocality);
+    __builtin_prefetch(line, kWrite, 3);
   }
-  __builtin_prefetch(end - 1, kWrite, kLocality);
+  __builtin_prefetch(end - 1, kWrite, 3);
 }
 
 // How many rows ahead the row loops prefetch: enough to cover a DRAM miss
