@@ -406,7 +406,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   result = {
       "steps": history.final_step,
       "loss": round(after["loss"], 5),
-      "auc": round(after["auc"], 5),
+      # AUC is undefined (NaN) when the evaluation labels are all of one class;
+      # JSON has no NaN, so the line says null.
+      "auc": round(after["auc"], 5) if math.isfinite(after["auc"]) else None,
       **clock.report(args.batch_size),
       "pipelining": args.pipelining,
   }

@@ -213,6 +213,21 @@ def _matching_weights(weights, ids: np.ndarray, owner: str, what: str) -> np.nda
   return weights
 
 
+def _is_real(dtype: np.dtype) -> bool:
+  """A float or integer dtype, the floats of ml_dtypes (bfloat16, float8) included."""
+  if np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.integer):
+    return True
+  if dtype.kind != "V":
+    return False
+  try:  # JAX's extended floats are numpy "void" dtypes that ml_dtypes describes
+    import ml_dtypes
+
+    ml_dtypes.finfo(dtype)
+  except (ImportError, ValueError, TypeError):
+    return False
+  return True
+
+
 def _check_int(array: np.ndarray, owner: str, what: str) -> None:
   if not np.issubdtype(array.dtype, np.integer):
     raise TypeError(
@@ -491,8 +506,11 @@ def flatten_input(
           f" [0, {table.vocabulary_size}).{hint}"
       )
   if weights is not None:
-    if not (np.issubdtype(weights.dtype, np.floating) or np.issubdtype(weights.dtype, np.integer)):
-      raise TypeError(f"{owner}: weights must be a real array, got dtype {weights.dtype}.")
+    if not _is_real(weights.dtype):
+      raise TypeError(
+          f"{owner}: weights must be a real (float or integer) array, got dtype"
+          f" {weights.dtype}."
+      )
     weights = weights.astype(np.float32, copy=False)
     finite = np.isfinite(weights)
     if not finite.all():

@@ -56,7 +56,16 @@ def _init_local_block(plan: EmbeddingPlan, stack: StackLayout, key: jax.Array, d
 
       def one_row(row, spec=spec, table_key=table_key):
         row_key = jax.random.fold_in(table_key, row)
-        return spec.initializer(row_key, (1, spec.embedding_dim), dtype)[0]
+        shape = (1, spec.embedding_dim)
+        value = spec.initializer(row_key, shape, dtype)
+        if jnp.shape(value) != shape:
+          # Broadcasting would otherwise turn it into a table of another shape.
+          raise ValueError(
+              f"table {spec.name!r}: its initializer returned an array of shape"
+              f" {jnp.shape(value)} when asked for shape {shape}; an initializer"
+              " (key, shape, dtype) -> array must return the shape it is given."
+          )
+        return jnp.asarray(value)[0]
 
       rows = jax.vmap(one_row)(logical).astype(dtype)
       rows = jnp.where((logical < table.vocabulary_size)[:, None], rows, jnp.zeros_like(rows))

@@ -50,6 +50,16 @@ def test_zero_steps_neither_trains_nor_fails(tmp_path):
   assert os.path.getsize(result["plot"]) > 0  # a short run still draws what it has
 
 
+def test_an_undefined_auc_prints_valid_json(capsys):
+  """Seed 12's one evaluation batch of 8 samples has labels of one class only: its AUC is
+  NaN, which the last line, one JSON object, must still be able to hold (as null)."""
+  result = dlrm.main(["--steps", "0", "--batch-size", "8", "--vocab-scale", "0.01",
+                      "--eval-batches", "1", "--seed", "12", "--workdir", ""])
+  assert result["auc"] is None
+  last = capsys.readouterr().out.strip().splitlines()[-1]
+  assert json.loads(last, parse_constant=lambda name: pytest.fail(f"{name} in {last}")) == result
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--steps", "-5"], "dlrm.py: error: argument --steps: must be >= 0, got -5 (see --help)"),
     (["--batch-size", "0"], "argument --batch-size: must be >= 1, got 0"),

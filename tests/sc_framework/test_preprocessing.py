@@ -952,6 +952,26 @@ def test_allow_id_dropping_must_be_a_bool(flag):
   preprocess(good_inputs(), specs, layout, allow_id_dropping=np.bool_(True))
 
 
+def test_weights_of_jax_float_types_are_accepted():
+  """bfloat16 weights (a JAX model's dtype) are real numbers: they were refused as not real."""
+  import ml_dtypes
+
+  table = TableSpec("t", 100, 8)
+  specs = [FeatureSpec("f", table, (2, 2))]
+  layout = auto_stack_tables(specs, 1)
+  ids = np.array([[1, 2], [3, 3]])
+  weights = np.array([[0.5, 2.0], [1.5, 0.25]])
+  want = preprocess({"f": DenseIds(ids, weights)}, specs, layout)[0]["t"]
+  got = preprocess({"f": DenseIds(ids, weights.astype(ml_dtypes.bfloat16))}, specs, layout)[0]["t"]
+  for field, expected in zip(got, want):
+    assert_same_bits(field, expected)
+  with pytest.raises(TypeError, match=r"weights must be a real \(float or integer\) array, got"
+                                      r" dtype complex128"):
+    preprocess({"f": DenseIds(ids, weights.astype(complex))}, specs, layout)
+  with pytest.raises(TypeError, match="got dtype bool"):
+    preprocess({"f": DenseIds(ids, weights > 1)}, specs, layout)
+
+
 def test_missing_and_unknown_features():
   specs, layout = simple()
   inputs = good_inputs()

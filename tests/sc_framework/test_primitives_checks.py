@@ -7,6 +7,7 @@ and both values. The checks run while tracing, so they hold under jit too.
 
 from __future__ import annotations
 
+import re
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -195,3 +196,26 @@ def test_rows_per_device_beyond_int32_are_refused_naming_the_stack():
     _plan(features)
   # Two devices hold 1.5e9 rows each: addressable.
   check_rows_addressable(auto_stack_tables(features, num_devices=2))
+
+
+@pytest.mark.parametrize("initializer, returned", [
+    (lambda key, shape, dtype: jnp.ones(shape[-1], dtype), "(8,)"),
+    (lambda key, shape, dtype: 0.5, "()"),
+    (lambda key, shape, dtype: jnp.ones((1, 3), dtype), "(1, 3)"),
+    (lambda key, shape, dtype: jnp.ones((2, shape[-1]), dtype), "(2, 8)"),
+])
+def test_an_initializer_of_another_shape_is_refused_naming_the_table(initializer, returned):
+  """A row of shape (D,) once broadcast into a [rows, rows + pad] table, found much later."""
+  table = TableSpec("users", 60, 8, initializer=initializer)
+  plan = _plan((FeatureSpec("user", table, (BATCH, 2)),))
+  with pytest.raises(ValueError, match=rf"table 'users': its initializer returned an array of"
+                     rf" shape {re.escape(returned)} when asked for shape \(1, 8\)"):
+    init_embedding_variables(plan, jax.random.key(0))
+
+
+def test_an_initializer_may_return_numpy_or_another_dtype():
+  table = TableSpec("users", 60, 8, initializer=lambda key, shape, dtype: np.full(shape, 2, np.int32))
+  plan = _plan((FeatureSpec("user", table, (BATCH, 2)),))
+  variables = init_embedding_variables(plan, jax.random.key(0))
+  (stack,) = variables.tables.values()
+  assert stack.dtype == jnp.float32 and set(np.unique(np.asarray(stack))) == {0.0, 2.0}
