@@ -246,7 +246,8 @@ def partition_stack(
   factor = _factors(combiner, denominators, owners, masses, describe_sample)
   batch = _write_buffers(stack, capacity, local_batch, bounds, samples, located, factor,
                          entry_weights)
-  _check_finite_gains(batch, combiner, local_batch, describe_sample)
+  if weights is not None:  # without weights every gain is 1 or 1 / count
+    _check_finite_gains(batch, combiner, local_batch, describe_sample)
   return batch, stats
 
 
