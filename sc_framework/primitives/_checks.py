@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import numpy as np
+
 from sc_framework.preprocessing._batch import StackBatch
 from sc_framework.primitives._plan import EmbeddingPlan
 
@@ -114,3 +116,30 @@ def check_batch(plan: EmbeddingPlan, batch: Mapping[str, Any], what: str = "batc
           f" N={stack.num_shards} shards (unique_rows [G, N, U], entries [G, E]). Preprocess"
           " with this plan's layout (plan.layout)."
       )
+    _check_batch_values(plan, stack, sparse, what)
+
+
+def _check_batch_values(plan: EmbeddingPlan, stack, sparse: StackBatch, what: str) -> None:
+  """A host (numpy) batch's rows and samples fit the stack (eager calls only).
+
+  A batch preprocessed for a layout of the same G and N but other vocabularies
+  or batch sizes has the plan's shapes; its rows beyond the shards' R rows, or
+  samples beyond the devices' B_loc, would be skipped silently (zero
+  activations, no update). Under jit the arrays are tracers: nothing to read.
+  """
+  rows, samples = sparse.unique_rows, sparse.entry_samples
+  local_batch = stack.total_batch_size // plan.num_devices
+  problems = []
+  if isinstance(rows, np.ndarray) and rows.size and int(rows.max()) >= stack.rows_per_shard:
+    problems.append(f"local row {int(rows.max())}, but its shards hold"
+                    f" R={stack.rows_per_shard} rows (other vocabularies)")
+  if isinstance(samples, np.ndarray) and samples.size and int(samples.max()) > local_batch:
+    problems.append(f"local sample {int(samples.max())}, but each device holds"
+                    f" {local_batch} samples of the stack (other batch sizes)")
+  if problems:
+    raise ValueError(
+        f"{what}[{stack.name!r}] was preprocessed for another layout: it holds "
+        + "; ".join(problems) + f" in the plan's stack {stack.name!r} (tables"
+        f" {list(stack.table_names)}). Preprocess with this plan's layout (plan.layout) and"
+        " the feature specs it was built from."
+    )

@@ -144,6 +144,34 @@ def test_a_batch_preprocessed_for_another_layout_is_refused(plan_geometry, batch
     apply_embedding_gradients(plan, variables, batch, _grads(features), 0)
 
 
+@pytest.mark.parametrize("change, message", [
+    (dict(vocabulary=9000), r"local row \d+, but its shards hold R=\d+ rows"),
+    (dict(batch=2 * BATCH), r"local sample \d+, but each device holds \d+ samples"),
+])
+def test_a_batch_of_another_vocabulary_or_batch_size_is_refused(change, message):
+  """Same G, N and capacities, so the same shapes: the rows or samples tell the layouts apart.
+
+  Such a batch once gave zero activations and no update, silently.
+  """
+  features = _features()
+  plan = _plan(features, 2)
+  vocabulary, batch_size = change.get("vocabulary", 60), change.get("batch", BATCH)
+  users = TableSpec("users", vocabulary, 8, optimizer=SGD(0.1))
+  items = TableSpec("items", 90, 8, optimizer=SGD(0.1))
+  other = (FeatureSpec("user", users, (batch_size, 2)), FeatureSpec("item", items, (batch_size, 3)))
+  layout = auto_stack_tables(other, num_devices=2)
+  raw = {"user": np.full((batch_size, 2), vocabulary - 1), "item": np.ones((batch_size, 3), int)}
+  batch, _ = preprocess(raw, other, layout)
+  assert all(np.shape(a) == np.shape(b)
+             for name in batch for a, b in zip(batch[name], _batch(features, plan)[name]))
+  variables = init_embedding_variables(plan, jax.random.key(0))
+  with pytest.raises(ValueError, match=r"batch\['\w+'\] was preprocessed for another layout: it"
+                                       r" holds " + message):
+    embedding_lookup(plan, variables.tables, batch)
+  with pytest.raises(ValueError, match=message):
+    apply_embedding_gradients(plan, variables, batch, _grads(features), 0)
+
+
 def test_gradients_of_an_unknown_feature_are_refused_not_ignored():
   features = _features()
   plan = _plan(features)
