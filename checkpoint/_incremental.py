@@ -34,6 +34,7 @@ from checkpoint._errors import CheckpointError
 from checkpoint._format import MANIFEST_FILE
 from checkpoint._handler import EmbeddingSave
 from checkpoint._rows_tracker import UpdatedRows
+from sc_framework._scalars import python_scalar_fields
 
 SaveKind = Literal["auto", "full", "delta"]
 
@@ -55,6 +56,7 @@ class IncrementalPolicy:
   max_delta_share: float = 0.25
 
   def __post_init__(self):
+    python_scalar_fields(self)
     if isinstance(self.full_every, bool) or not isinstance(self.full_every, int):
       raise ValueError(
           f"IncrementalPolicy: full_every must be an int >= 1, got {self.full_every!r}."

@@ -29,6 +29,8 @@ import numpy as np
 import tensorstore as ts
 from etils import epath
 
+from sc_framework._scalars import python_scalar_fields
+
 Compression = Literal["none", "zstd", "blosc"]
 Checksum = Literal["crc32c", "none"]
 
@@ -69,6 +71,7 @@ class StorageOptions:
   chunk_bytes: int = _DEFAULT_CHUNK_BYTES
 
   def __post_init__(self):
+    python_scalar_fields(self)
     if self.compression not in ("none", "zstd", "blosc"):
       raise ValueError(
           "StorageOptions: compression must be 'none', 'zstd' or 'blosc', got"

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from etils import epath
 
 from checkpoint import IncrementalPolicy
+from sc_framework._scalars import python_scalar_fields
 from sc_framework.primitives import EmbeddingBackend
 from sc_framework.stacking import Stacking, normalize_stacking
 
@@ -103,6 +104,7 @@ class TrainerConfig:
   incremental: IncrementalPolicy | None = None
 
   def __post_init__(self):
+    python_scalar_fields(self)
     for name in ("pipelining", "allow_id_dropping", "save_on_nonfinite"):
       value = getattr(self, name)
       if not isinstance(value, bool):

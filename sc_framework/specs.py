@@ -15,6 +15,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from sc_framework._scalars import python_scalar, python_scalar_fields
 from sc_framework.optimizers import SGD, OptimizerSpec
 
 Combiner = Literal["sum", "mean", "sqrtn"]
@@ -62,6 +63,7 @@ class TableSpec:
   max_unique_ids_per_partition: int = 256
 
   def __post_init__(self):
+    python_scalar_fields(self)
     if not isinstance(self.name, str) or not self.name:
       raise ValueError(f"TableSpec: name must be a non-empty string, got {self.name!r}.")
     owner = f"table {self.name!r}"
@@ -112,12 +114,13 @@ class FeatureSpec:
   output_shape: tuple[int, ...] | None = None
 
   def __post_init__(self):
+    python_scalar_fields(self)
     if not isinstance(self.name, str) or not self.name:
       raise ValueError(f"FeatureSpec: name must be a non-empty string, got {self.name!r}.")
     owner = f"feature {self.name!r}"
     if not isinstance(self.table, TableSpec):
       raise TypeError(f"{owner}: table must be a TableSpec, got {type(self.table).__name__}.")
-    input_shape = tuple(self.input_shape)
+    input_shape = tuple(python_scalar(size) for size in self.input_shape)
     if len(input_shape) not in (1, 2):
       raise ValueError(
           f"{owner}: input_shape must be (batch,) or (batch, max_ids_per_sample), got {input_shape}."
@@ -129,7 +132,7 @@ class FeatureSpec:
     output_shape = self.output_shape
     if output_shape is None:
       output_shape = (input_shape[0], self.table.embedding_dim)
-    output_shape = tuple(output_shape)
+    output_shape = tuple(python_scalar(size) for size in output_shape)
     object.__setattr__(self, "output_shape", output_shape)
     dim = self.table.embedding_dim
     if len(output_shape) == 3:

@@ -32,6 +32,7 @@ from typing import Any, ClassVar, Union
 import jax
 import jax.numpy as jnp
 
+from sc_framework._scalars import python_scalar_fields
 from sc_framework.optimizers import _options
 
 LearningRate = Union[float, Callable[[jax.Array], jax.Array]]
@@ -55,6 +56,7 @@ class SlotSpec:
   initial_value: float = 0.0
 
   def __post_init__(self):
+    python_scalar_fields(self)
     if not self.name or not isinstance(self.name, str):
       raise ValueError(f"slot name must be a non-empty string, got {self.name!r}.")
     if self.width is not None and (
@@ -112,6 +114,7 @@ class OptimizerSpec:
   clip_weight_max: float | None = None
 
   def __post_init__(self):
+    python_scalar_fields(self)
     owner = self.owner_name()
     object.__setattr__(self, "clipvalue", _options.normalize_clipvalue(owner, self.clipvalue))
     _options.check_options(

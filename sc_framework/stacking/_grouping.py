@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
+from sc_framework._scalars import python_scalar
 from sc_framework.specs import FeatureSpec, TableSpec, tables_of, validate_feature_specs
 from sc_framework.stacking._layout import (
     EmbeddingLayout,
@@ -54,10 +55,15 @@ def _check_stackable(first: TableSpec, other: TableSpec, where: str) -> None:
   )
 
 
-def _check_devices(num_devices: int, shards_per_device: int) -> None:
+def _checked_devices(num_devices: int, shards_per_device: int) -> tuple[int, int]:
+  """(G, S) as Python ints; ValueError unless both are positive integers."""
+  checked = []
   for name, value in (("num_devices", num_devices), ("shards_per_device", shards_per_device)):
+    value = python_scalar(value)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
       raise ValueError(f"{name} must be a positive int, got {value!r}.")
+    checked.append(value)
+  return checked[0], checked[1]
 
 
 def _build_layout(
@@ -132,7 +138,7 @@ def stack_tables(
       dimension, optimizer or combiner).
   """
   features = validate_feature_specs(feature_specs)
-  _check_devices(num_devices, shards_per_device)
+  num_devices, shards_per_device = _checked_devices(num_devices, shards_per_device)
   tables = {table.name: table for table in tables_of(features)}
   seen: dict[str, int] = {}
   table_groups = []
@@ -172,7 +178,7 @@ def auto_stack_tables(
   features first read them.
   """
   features = validate_feature_specs(feature_specs)
-  _check_devices(num_devices, shards_per_device)
+  num_devices, shards_per_device = _checked_devices(num_devices, shards_per_device)
   groups: dict[tuple, list[TableSpec]] = {}
   for table in tables_of(features):
     groups.setdefault(stacking_key(table), []).append(table)
@@ -186,7 +192,7 @@ def unstacked_layout(
 ) -> EmbeddingLayout:
   """Every table in a stack of its own."""
   features = validate_feature_specs(feature_specs)
-  _check_devices(num_devices, shards_per_device)
+  num_devices, shards_per_device = _checked_devices(num_devices, shards_per_device)
   return _build_layout(features, [[t] for t in tables_of(features)], num_devices, shards_per_device)
 
 
