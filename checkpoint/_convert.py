@@ -76,6 +76,10 @@ ConversionProgress = Callable[[int, int, str], None]
 """progress(bytes_done, bytes_total, what): called after every block written."""
 
 _TMP_SUFFIX = ocp.path.atomicity.TMP_DIR_SUFFIX
+# Written first into a conversion's temporary directory and removed just before
+# it is renamed into place: a temporary directory holding it was left by an
+# interrupted conversion and may be deleted; one without it is not ours.
+_IN_PROGRESS_MARKER = "CONVERSION_IN_PROGRESS"
 # A directory being replaced (by `convert` with overwrite, or `compact`) is set aside as
 # `<name>.replaced` until its replacement is in place.
 REPLACED_SUFFIX = ".replaced"
@@ -178,10 +182,7 @@ def convert(
   if target != "unstacked":
     _check_every_table_placed(reader, target)
   storage = storage or reader.manifest.storage
-  tmp = dst.parent / (dst.name + _TMP_SUFFIX)
-  if tmp.exists():
-    tmp.rmtree()
-  tmp.mkdir(parents=True)
+  tmp = _fresh_temporary_directory(dst)
   try:
     if item is not None and item != src:
       _warn_left_out(foreign)
@@ -196,6 +197,7 @@ def convert(
       _write_stacked(
           reader, out, target, storage, block_bytes, cache.max_bytes, progress, table_dtype
       )
+    (tmp / _IN_PROGRESS_MARKER).unlink()
     if out != tmp:
       _integrity.write_manifest(tmp)  # The converted step is complete.
   except BaseException:
@@ -203,6 +205,26 @@ def convert(
     raise
   _put_in_place(tmp, dst)
   return dst if item is None or item == src else dst / item.name
+
+
+def _fresh_temporary_directory(dst: epath.Path) -> epath.Path:
+  """Creates `<dst>.orbax-checkpoint-tmp`, marked as a conversion in progress.
+
+  A leftover of an interrupted conversion (it holds the marker) is deleted
+  first; any other directory of that name is refused, never deleted.
+  """
+  tmp = dst.parent / (dst.name + _TMP_SUFFIX)
+  if _integrity.is_link(tmp) or (tmp.exists() and not (tmp / _IN_PROGRESS_MARKER).exists()):
+    raise FileExistsError(
+        f"{tmp} exists and was not left by an interrupted conversion (it lacks"
+        f" {_IN_PROGRESS_MARKER}); it may be another writer's unfinished step. Remove or move it"
+        " if nothing is writing it, then convert again."
+    )
+  if tmp.exists():
+    tmp.rmtree()
+  tmp.mkdir(parents=True)
+  (tmp / _IN_PROGRESS_MARKER).write_text("")
+  return tmp
 
 
 def _put_in_place(tmp: epath.Path, dst: epath.Path) -> None:

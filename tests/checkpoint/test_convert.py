@@ -206,6 +206,44 @@ def test_failed_conversion_leaves_nothing_behind(tmp_path):
   assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
 
 
+def test_a_temporary_directory_not_left_by_a_conversion_is_kept_and_refused(tmp_path):
+  """`<dst>.orbax-checkpoint-tmp` may be another writer's unfinished step: never deleted."""
+  model, layout = _saved(tmp_path / "a")
+  foreign = tmp_path / ("b" + ocp.path.atomicity.TMP_DIR_SUFFIX)
+  foreign.mkdir()
+  (foreign / "data").write_text("someone else's")
+  with pytest.raises(FileExistsError, match="was not left by an interrupted conversion"):
+    ck.convert(tmp_path / "a", tmp_path / "b", layout)
+  assert (foreign / "data").read_text() == "someone else's"
+  assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("whole_step", [False, True])
+def test_the_leftover_of_an_interrupted_conversion_is_replaced(tmp_path, whole_step):
+  """A killed conversion leaves its marked temporary directory; the next one starts afresh."""
+  if whole_step:
+    model = make_model([spec + (Adam(),) for spec in TABLES], seed=3)
+    layout = model.layout([["a", "b"], ["c"], ["d"]], 8)
+    tables, slots = model.state(layout)
+    with ck.CheckpointManager(tmp_path / "run") as mngr:
+      mngr.save(3, ck.EmbeddingSave(tables, slots, layout, model.slot_specs(layout)))
+    src, dst, item = tmp_path / "run" / "3", tmp_path / "out" / "3", "embedding"
+  else:
+    model, layout = _saved(tmp_path / "a")
+    src, dst, item = tmp_path / "a", tmp_path / "b", None
+  leftover = dst.parent / (dst.name + ocp.path.atomicity.TMP_DIR_SUFFIX)
+  leftover.mkdir(parents=True)
+  (leftover / "CONVERSION_IN_PROGRESS").write_text("")
+  (leftover / "half_written_chunk").write_text("x")
+  target = ck.relayout(layout, num_devices=2, shards_per_device=1)
+  ck.convert(src, dst, target)
+  assert not leftover.exists()
+  names = {path.name for path in dst.rglob("*")}
+  assert "CONVERSION_IN_PROGRESS" not in names and "half_written_chunk" not in names
+  assert ck.verify(dst) == []
+  _check_tables(model, dst if item is None else dst / item)
+
+
 def test_a_target_layout_lacking_tables_of_the_checkpoint_is_refused(tmp_path):
   """A table the target has no place for would be dropped: the error names it."""
   _saved(tmp_path / "a")
