@@ -17,6 +17,10 @@ class NotACheckpointError(CheckpointError):
   """The directory holds no (complete) embedding checkpoint."""
 
 
+class MissingItemError(CheckpointError):
+  """A step asked for holds no item of the requested name: it was never saved there."""
+
+
 class MissingTableError(CheckpointError):
   """A table asked for is not in the checkpoint."""
 

@@ -39,7 +39,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 from checkpoint import _integrity, _steps, _storage
 from checkpoint._chain import chain_problems
 from checkpoint._compact import finish_interrupted_compactions
-from checkpoint._errors import CorruptCheckpointError, NotACheckpointError
+from checkpoint._errors import CorruptCheckpointError, MissingItemError, NotACheckpointError
 from checkpoint._handler import (
     EmbeddingCheckpointHandler,
     EmbeddingRestore,
@@ -265,6 +265,8 @@ class CheckpointManager:
 
     Raises:
       NotACheckpointError: no complete step exists, or `step` is not one.
+      MissingItemError: the step (with step None: the latest) never saved a
+        requested item; the message names the steps that hold it.
       CorruptCheckpointError: a file of a requested item is missing, truncated,
         a link or fails its checksum (with step None: in every complete step).
       IncompatibleCheckpointError: a dense (PyTree) item stores another shape
@@ -296,6 +298,7 @@ class CheckpointManager:
   def _restore_verified(self, step: int, args: ocp.args.Composite, embedding) -> dict[str, Any]:
     """Verifies the files of the requested items, checks dense shapes, then restores."""
     step_dir = self._directory / str(step)
+    self._check_items_saved(step, list(args.keys()))
     _integrity.raise_for(
         _integrity.check_step(step_dir, depth="items", items=list(args.keys())),
         f"checkpoint step {step} ({step_dir})",
@@ -314,6 +317,29 @@ class CheckpointManager:
     if isinstance(embedding, EmbeddingRestore):
       self._incremental.restored(step)
     return {name: restored[name] for name in args.keys()}
+
+  def _check_items_saved(self, step: int, names: list[str]) -> None:
+    """Raises MissingItemError for a requested item the step never saved.
+
+    Never saved: absent from the step's manifest and from its directory. An
+    item on disk but not in the manifest is left to the integrity check (it
+    was added or damaged after the commit).
+    """
+    step_dir = self._directory / str(step)
+    try:
+      listed = {rel.split("/", 1)[0] for rel in _integrity.read_manifest(step_dir)}
+    except CorruptCheckpointError:
+      return  # The integrity check names what is wrong with the manifest.
+    for name in names:
+      path = step_dir / name
+      if name in listed or path.exists() or _integrity.is_link(path):
+        continue
+      holding = [other for other in self.all_steps() if (self._directory / str(other) / name).exists()]
+      raise MissingItemError(
+          f"checkpoint step {step} ({step_dir}) holds no item {name!r}: it saved"
+          f" {sorted(listed)}. Restore without {name!r}, or restore a step that saved it"
+          f" (steps holding it: {holding})."
+      )
 
   def _why_not_complete(self, step: int) -> str:
     step_dir = self._directory / str(step)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 
 import jax
 import numpy as np
@@ -286,3 +287,25 @@ def test_a_path_with_a_backslash_is_refused_before_anything_is_written(tmp_path,
     ck.convert(tmp_path / "ok" / "1", odd / "converted", "unstacked")
   assert sorted(os.listdir(tmp_path)) == ["a\\b", "c\\d", "ok"]
   assert not os.listdir(tmp_path / "c\\d") and not os.path.exists(tmp_path / "a" / "b")
+
+
+@pytest.mark.filterwarnings("ignore:Sharding info not provided")
+def test_an_item_a_step_never_saved_is_named_not_reported_as_damage(tmp_path):
+  """Latest step 2 saved no 'extra': an error naming the steps that hold it, no fallback."""
+  model, layout, embedding = _state()
+  params = {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}
+  with ck.CheckpointManager(tmp_path) as mngr:
+    mngr.save(1, embedding, items={"params": ocp.args.StandardSave(params),
+                                   "extra": ocp.args.JsonSave({"epoch": 1})})
+    mngr.save(2, items={"params": ocp.args.StandardSave(params)})
+  wanted = {"params": ocp.args.StandardRestore(params), "extra": ocp.args.JsonRestore()}
+  with ck.CheckpointManager(tmp_path, read_only=True) as mngr:
+    for step in (None, 2):
+      with warnings.catch_warnings():
+        warnings.simplefilter("error")  # No "skipped, damaged" warning either.
+        with pytest.raises(ck.MissingItemError, match=r"step 2 .* holds no item 'extra'.*\[1\]"):
+          mngr.restore(step, items=wanted)
+    with pytest.raises(ck.MissingItemError, match=r"step 2 .* holds no item 'embedding'.*\[1\]"):
+      mngr.restore(None, ck.TableRestore())
+    assert mngr.restore(1, items=wanted)["extra"] == {"epoch": 1}
+    assert_same_bits(mngr.restore(items={"params": wanted["params"]})["params"]["w"], params["w"])
