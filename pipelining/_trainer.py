@@ -435,8 +435,10 @@ class Trainer:
       num_steps: the total number of updates to reach (counting resumed
         ones); None trains until the data (all epochs) ends.
       epochs: passes over train_data; None is one pass.
-      eval_data: evaluated every `eval_every` steps and at the end.
-      eval_every: steps between evaluations (needs eval_data).
+      eval_data: evaluated every `eval_every` steps and at the end (once
+        per step: not again when the last step was an `eval_every` one).
+      eval_every: steps between evaluations (needs eval_data, re-iterable:
+        a list or a dataset, not a one-shot iterator).
       callbacks: `Callback` hooks.
 
     Returns:
@@ -452,12 +454,20 @@ class Trainer:
         features or labels differ in structure, shape or dtype from the first
         batch's, or the labels would broadcast against the predictions
         (`pipelining._batch_check`); the message names the batch's position.
+        Also eval_every with a one-shot iterator as eval_data.
       TypeError: a batch that is not a dict.
     """
     check_count("num_steps", num_steps, minimum=0, optional=True)
     check_count("eval_every", eval_every, minimum=1, optional=True)
     if eval_every is not None and eval_data is None:
       raise ValueError("eval_every needs eval_data.")
+    if eval_every is not None and isinstance(eval_data, Iterator):
+      # The second evaluation would find it exhausted, in the middle of fit.
+      raise ValueError(
+          f"eval_every={eval_every} evaluates eval_data several times, which needs a"
+          f" re-iterable (a list, or a dataset whose __iter__ starts over); got a one-shot"
+          f" {type(eval_data).__name__}. Pass list(eval_data) or the dataset itself."
+      )
     history = History()
     dropped_before = self._dropped_ids
     self._stop.clear()
@@ -492,7 +502,8 @@ class Trainer:
       check_agreement("end of fit", {"step": step, "interrupted": history.interrupted},
                       hint=_SAME_STEPS)
       self._continue_data = history.interrupted
-      if not history.interrupted and eval_data is not None:
+      evaluated = bool(history.evaluations) and history.evaluations[-1][0] == step
+      if not history.interrupted and eval_data is not None and not evaluated:
         end.evaluation(step)
       self._save(self._loop, callbacks)
       self._wait_for_saves()
