@@ -220,3 +220,30 @@ def test_a_raising_callback_keeps_the_checkpoint_due_at_its_step(tmp_path, pipel
   reference = make_trainer(None, pipelining)
   reference.fit(batches)
   assert_same_run(resumed, reference)
+
+
+@pytest.mark.parametrize("use", ["evaluate", "predict"])
+@pytest.mark.parametrize("pipelining", [True, False])
+def test_a_new_trainer_evaluates_the_trained_workdir_and_fit_still_resumes(tmp_path, pipelining,
+                                                                           use):
+  """evaluate / predict of a new Trainer use the latest checkpoint, not the initial values;
+  a fit afterwards resumes that checkpoint with its in-flight batch and data position."""
+  batches, held_out = make_batches(7, seed=84), make_batches(2, seed=85)
+  first = make_trainer(tmp_path, pipelining)
+  first.fit(batches, num_steps=4)
+
+  def run(trainer):
+    if use == "evaluate":
+      return trainer.evaluate([{**b, "labels": (b["labels"] > 0).astype(np.float32)}
+                               for b in held_out])["loss"]
+    return trainer.predict([{k: v for k, v in b.items() if k != "labels"} for b in held_out])
+
+  expected = run(first)
+  second = make_trainer(tmp_path, pipelining)
+  assert_same_bits(run(second), expected)
+  assert int(second.state.step) == 4
+  history = second.fit(batches)
+  assert history.resumed_from == 4 and history.final_step == 7
+  reference = make_trainer(None, pipelining)
+  reference.fit(batches)
+  assert_same_run(second, reference)
