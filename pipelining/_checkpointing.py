@@ -230,29 +230,8 @@ class TrainerCheckpoints:
       or a layout-specific in-flight batch written for another layout.
     """
     meta = self.read_meta(step)
-    items = {
-        "dense": ocp.args.StandardRestore(_abstract({
-            "params": state_template.params,
-            "opt_state": state_template.opt_state,
-            "step": state_template.step,
-        })),
-    }
     template = self._in_flight_template(step, meta, in_flight_template)
-    if template is not None:
-      items["in_flight"] = ocp.args.StandardRestore(_abstract(template))
-    embedding = EmbeddingRestore(
-        self._plan.layout, self._plan.mesh, self._plan.axis_name,
-        slot_specs=self._plan.slot_specs(),
-        # The tables in the state's dtype; another stored dtype is refused.
-        dtype=next(iter(state_template.embeddings.tables.values())).dtype,
-    )
-    restored = self._manager.restore(step, embedding, items=items)
-    dense = restored["dense"]
-    tables = restored["embedding"]
-    state = TrainState(
-        dense["params"], dense["opt_state"], EmbeddingVariables(dict(tables.tables), {
-            k: dict(v) for k, v in tables.slots.items()}), dense["step"],
-    )
+    state, restored = self._restore_items(step, state_template, template)
     in_flight = None
     if template is not None and meta["format"] == FORMAT:
       tree = restored["in_flight"]
@@ -267,6 +246,38 @@ class TrainerCheckpoints:
       if isinstance(in_flight, FeatureInFlight):
         self.track(in_flight.batch.sparse)
     return state, in_flight, meta.get("data") or {}
+
+  def restore_state(self, step: int, state_template: TrainState) -> TrainState:
+    """Only the train state of step `step` (for evaluate and predict), in the plan's layout."""
+    self.read_meta(step)  # a Trainer checkpoint
+    return self._restore_items(step, state_template, None)[0]
+
+  def _restore_items(self, step: int, state_template: TrainState,
+                     in_flight_template: dict[str, Any] | None) -> tuple[TrainState, dict]:
+    """The train state of `step` and the restored items (the in-flight one if templated)."""
+    items = {
+        "dense": ocp.args.StandardRestore(_abstract({
+            "params": state_template.params,
+            "opt_state": state_template.opt_state,
+            "step": state_template.step,
+        })),
+    }
+    if in_flight_template is not None:
+      items["in_flight"] = ocp.args.StandardRestore(_abstract(in_flight_template))
+    embedding = EmbeddingRestore(
+        self._plan.layout, self._plan.mesh, self._plan.axis_name,
+        slot_specs=self._plan.slot_specs(),
+        # The tables in the state's dtype; another stored dtype is refused.
+        dtype=next(iter(state_template.embeddings.tables.values())).dtype,
+    )
+    restored = self._manager.restore(step, embedding, items=items)
+    dense = restored["dense"]
+    tables = restored["embedding"]
+    state = TrainState(
+        dense["params"], dense["opt_state"], EmbeddingVariables(dict(tables.tables), {
+            k: dict(v) for k, v in tables.slots.items()}), dense["step"],
+    )
+    return state, restored
 
   def _in_flight_template(self, step: int, meta: dict[str, Any],
                           example: FeatureInFlight) -> dict[str, Any] | None:

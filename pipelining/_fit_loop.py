@@ -246,6 +246,9 @@ class StepEnd:
   def __call__(self, result: StepResult) -> LoopState:
     """Handles one update; returns the state to keep (with any skip recorded).
 
+    A checkpoint due at this step is started even when a callback or the
+    evaluation raises (the exception then propagates).
+
     Raises:
       NonFiniteLossError: the batch's loss is NaN or infinite. The step
         functions skip such an update, so the state is the last finite one.
@@ -264,12 +267,16 @@ class StepEnd:
     self.history.steps.append(step)
     self.history.metrics.append(host)
     self.progress.step(step, host)
-    for callback in self.callbacks:
-      callback.on_step_end(self.owner, step, host)
-    if self.evaluate is not None and self.eval_every is not None and step % self.eval_every == 0:
-      self.evaluation(step)
-    if self.save is not None and self.save_every is not None and step % self.save_every == 0:
-      self.save(state)
+    try:
+      for callback in self.callbacks:
+        callback.on_step_end(self.owner, step, host)
+      if self.evaluate is not None and self.eval_every is not None and step % self.eval_every == 0:
+        self.evaluation(step)
+    finally:
+      # A callback or an evaluation that raises does not cost the checkpoint
+      # due at this step: the update is applied, so its state is saved.
+      if self.save is not None and self.save_every is not None and step % self.save_every == 0:
+        self.save(state)
     return state
 
   def evaluation(self, step: int) -> None:

@@ -56,7 +56,8 @@ def roc_auc(labels: np.ndarray, scores: np.ndarray) -> float:
       (probabilities or logits).
 
   Returns:
-    The AUC in [0, 1], or NaN when only one class is present.
+    The AUC in [0, 1], or NaN when only one class is present or a score is
+    NaN (a NaN has no rank: the AUC is undefined, not that of NaN ranked last).
 
   Raises:
     ValueError: labels that are not binary or scores of another shape
@@ -70,7 +71,7 @@ def roc_auc(labels: np.ndarray, scores: np.ndarray) -> float:
   scores = scores.astype(np.float64).reshape(-1)
   positives = int(labels.sum())
   negatives = labels.size - positives
-  if positives == 0 or negatives == 0:
+  if positives == 0 or negatives == 0 or np.isnan(scores).any():
     return float("nan")
   order = np.argsort(scores, kind="stable")
   sorted_scores = scores[order]

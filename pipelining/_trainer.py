@@ -158,6 +158,9 @@ class Trainer:
     # (and the in-flight batch) where it stopped. A completed fit reads new
     # data from its start.
     self._continue_data = False
+    # The checkpoint step whose train state evaluate or predict adopted
+    # without its in-flight batch and data position: fit still resumes it.
+    self._state_only_from: int | None = None
     # Every batch's entries, rows, and shapes against the first batch's.
     self._batch_checker = BatchChecker([f.batch_size for f in self.plan.feature_specs],
                                        len(self._local_devices), self.plan.num_devices)
@@ -337,10 +340,8 @@ class Trainer:
 
   def _restore(self, example: DeviceBatch, history: History) -> None:
     """Restores the latest checkpoint when it is newer than the state (with a workdir)."""
-    step = None if self._checkpoints is None else self._checkpoints.latest_step()
+    step = self._resume_step()
     if step is None:
-      return
-    if self.state is not None and int(self.state.step) >= step:
       return
     template = FeatureInFlight(
         {f.name: jax.ShapeDtypeStruct(f.output_shape, self.config.table_dtype,
@@ -362,6 +363,7 @@ class Trainer:
     if saved is not None:
       in_flight = InFlight(self._steps.stacked_activations(saved.activations), saved.batch)
     self._loop = LoopState(train, in_flight, ids, own_position(data))
+    self._state_only_from = None
     history.resumed_from = step
     history.skipped_batches = list(data.get("skipped", []))
     if history.skipped_batches:
@@ -435,8 +437,10 @@ class Trainer:
       num_steps: the total number of updates to reach (counting resumed
         ones); None trains until the data (all epochs) ends.
       epochs: passes over train_data; None is one pass.
-      eval_data: evaluated every `eval_every` steps and at the end.
-      eval_every: steps between evaluations (needs eval_data).
+      eval_data: evaluated every `eval_every` steps and at the end (once
+        per step: not again when the last step was an `eval_every` one).
+      eval_every: steps between evaluations (needs eval_data, re-iterable:
+        a list or a dataset, not a one-shot iterator).
       callbacks: `Callback` hooks.
 
     Returns:
@@ -452,12 +456,20 @@ class Trainer:
         features or labels differ in structure, shape or dtype from the first
         batch's, or the labels would broadcast against the predictions
         (`pipelining._batch_check`); the message names the batch's position.
+        Also eval_every with a one-shot iterator as eval_data.
       TypeError: a batch that is not a dict.
     """
     check_count("num_steps", num_steps, minimum=0, optional=True)
     check_count("eval_every", eval_every, minimum=1, optional=True)
     if eval_every is not None and eval_data is None:
       raise ValueError("eval_every needs eval_data.")
+    if eval_every is not None and isinstance(eval_data, Iterator):
+      # The second evaluation would find it exhausted, in the middle of fit.
+      raise ValueError(
+          f"eval_every={eval_every} evaluates eval_data several times, which needs a"
+          f" re-iterable (a list, or a dataset whose __iter__ starts over); got a one-shot"
+          f" {type(eval_data).__name__}. Pass list(eval_data) or the dataset itself."
+      )
     history = History()
     dropped_before = self._dropped_ids
     self._stop.clear()
@@ -492,7 +504,8 @@ class Trainer:
       check_agreement("end of fit", {"step": step, "interrupted": history.interrupted},
                       hint=_SAME_STEPS)
       self._continue_data = history.interrupted
-      if not history.interrupted and eval_data is not None:
+      evaluated = bool(history.evaluations) and history.evaluations[-1][0] == step
+      if not history.interrupted and eval_data is not None and not evaluated:
         end.evaluation(step)
       self._save(self._loop, callbacks)
       self._wait_for_saves()
@@ -571,12 +584,32 @@ class Trainer:
     """Where fit's data starts: after an interruption, or in a newer checkpoint, or at 0."""
     if self._continue_data and self._loop is not None:
       return dict(self._loop.data)
-    if self._checkpoints is None:
-      return {}
-    step = self._checkpoints.latest_step()
-    if step is None or (self.state is not None and int(self.state.step) >= step):
+    step = self._resume_step()
+    if step is None:
       return {}
     return own_position(self._checkpoints.read_data_state(step))
+
+  def _resume_step(self) -> int | None:
+    """The checkpoint fit resumes from: the latest, when newer than the state or when
+    evaluate or predict adopted only its train state; else None."""
+    step = None if self._checkpoints is None else self._checkpoints.latest_step()
+    if step is None or (self.state is not None and int(self.state.step) >= step
+                        and self._state_only_from != step):
+      return None
+    return step
+
+  def _adopt_newer_checkpoint(self) -> None:
+    """evaluate and predict: the train state of a checkpoint newer than the state.
+
+    A Trainer built on a workdir evaluates what was trained there, not its
+    initial values. Only the train state is restored: fit later resumes the
+    same checkpoint with its in-flight batch and data position.
+    """
+    step = None if self._checkpoints is None else self._checkpoints.latest_step()
+    if step is None or int(self.state.step) >= step:
+      return
+    self.state = self._checkpoints.restore_state(step, self.state)
+    self._state_only_from = step
 
   def _next(self, prefetcher: Prefetcher) -> Prepared | None:
     """The next prepared batch, or None when the data of any process ended.
@@ -602,8 +635,12 @@ class Trainer:
     """The staged batches of `data` (evaluate or predict), built on the first one."""
     with Prefetcher(iter(data), lambda raw, index: self._stage(raw, use, index).batch,
                     depth=self.config.prefetch_depth) as prefetcher:
+      first = True
       while (prepared := self._next(prefetcher)) is not None:
-        self._build(prepared.batch)
+        if first:
+          self._build(prepared.batch)
+          self._adopt_newer_checkpoint()
+          first = False
         yield prepared.batch
 
   def evaluate(self, data: Iterable[Any]) -> dict[str, float]:
@@ -615,7 +652,10 @@ class Trainer:
 
     Every batch needs "sparse" and "labels" (and "dense" if the model reads
     it). A pipelined trainer evaluates the current tables (any in-flight
-    batch is not applied by evaluation).
+    batch is not applied by evaluation). With a workdir whose latest
+    checkpoint is newer than the trainer's state (a new Trainer on a trained
+    workdir), that checkpoint's state is restored first (as predict does);
+    a later fit resumes it with its in-flight batch and data position.
 
     Raises:
       ValueError: a batch that lacks labels or differs from the first
@@ -653,7 +693,8 @@ class Trainer:
     labels, if any, are ignored and the loss is not computed. Predictions in
     a pytree come back in that pytree, each leaf concatenated. With several
     processes each feeds its slice of every batch and every process gets the
-    predictions of the whole global batches.
+    predictions of the whole global batches. With a workdir, a newer
+    checkpoint is restored first, as in evaluate.
     """
     with contextlib.closing(self._prepared(data, "prediction")) as batches:
       predictions = [_host_tree(self._steps.predict(self.state, batch)) for batch in batches]

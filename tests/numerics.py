@@ -58,6 +58,7 @@ def assert_same_bits(actual, expected, err_msg: str = "") -> None:
     # Bit patterns: NaNs and -0.0 compare exactly, also for bfloat16 (ml_dtypes).
     bits = np.dtype(f"u{actual.dtype.itemsize}")
     differ = np.ascontiguousarray(actual).view(bits) != np.ascontiguousarray(expected).view(bits)
+    differ = differ.reshape(actual.shape)  # ascontiguousarray makes a scalar 1-D
   else:
     differ = actual != expected
   if np.any(differ):

@@ -24,6 +24,13 @@ def test_same_bits_refuses_any_other_bit_pattern():
     assert_same_bits(b, np.array([0.5, 1.0], ml_dtypes.bfloat16))
 
 
+def test_same_bits_names_a_differing_scalar():
+  with pytest.raises(AssertionError, match=r"1 of 1 elements differ; first at \(\): "):
+    assert_same_bits(np.float32(1.0), np.float32(2.0))
+  with pytest.raises(AssertionError, match="1 of 1 elements differ"):
+    assert_same_bits(0.5, 0.25)
+
+
 def test_close_follows_the_reordered_sum_bound():
   rng = np.random.default_rng(0)
   terms = rng.normal(size=(64, 1000)).astype(np.float32)

@@ -106,6 +106,22 @@ def test_roc_auc_equals_the_pairwise_count(seed, shape):
   assert np.isnan(roc_auc(np.ones(shape), scores))
 
 
+def test_roc_auc_of_a_nan_score_is_undefined():
+  """A NaN score has no rank: the AUC is NaN, not that of the NaN ranked highest."""
+  labels = np.array([0.0, 1.0, 0.0, 1.0])
+  assert np.isnan(roc_auc(labels, np.array([0.1, np.nan, 0.3, 0.2])))
+  assert_close(roc_auc(labels, np.array([0.1, np.inf, 0.3, 0.2])), 0.75, terms=4)
+
+
+def test_evaluate_with_a_nan_dense_feature_reports_auc_as_undefined():
+  trainer = make_trainer(loss=bce)
+  trainer.fit(binary(make_batches(2, seed=63)))
+  held_out = binary(make_batches(2, seed=64))
+  held_out[1]["dense"][0, 0] = np.nan
+  metrics = trainer.evaluate(held_out)
+  assert np.isnan(metrics["loss"]) and np.isnan(metrics["auc"])
+
+
 @pytest.mark.parametrize("labels, scores, message", [
     (np.array([0.0, 1.0, 0.4]), np.zeros(3), "labels[2] of batch 0 is 0.4, not 0 or 1"),
     (np.array([0, 1, 3]), np.zeros((3, 4)),

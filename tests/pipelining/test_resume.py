@@ -190,6 +190,60 @@ def test_an_exception_in_fit_lets_the_running_save_finish(tmp_path, pipelining, 
   trainer = make_trainer(tmp_path, pipelining)
   with pytest.raises(RuntimeError, match="raised by a callback at step 3"):
     trainer.fit(batches, callbacks=[raise_at(3)])
-  # Step 2 was saved asynchronously just before; fit waited for it.
+  # Step 3, due when the callback raised, was saved asynchronously; fit waited for it.
   assert not trainer._checkpoints._manager.orbax_manager.is_saving_in_progress()
-  assert trainer.latest_checkpoint_step() == 2
+  assert trainer.latest_checkpoint_step() == 3
+
+
+class RaiseInEvaluation(Callback):
+  def on_eval_end(self, trainer, step, metrics):
+    raise RuntimeError(f"raised by a callback after the evaluation of step {step}")
+
+
+@pytest.mark.parametrize("callback, message", [
+    (raise_at(4), "raised by a callback at step 4"),
+    (RaiseInEvaluation(), "raised by a callback after the evaluation of step 2"),
+])
+@pytest.mark.parametrize("pipelining", [True, False])
+def test_a_raising_callback_keeps_the_checkpoint_due_at_its_step(tmp_path, pipelining, callback,
+                                                                  message):
+  batches = make_batches(6, seed=83)
+  trainer = Trainer(LinearHead(), make_specs(Adagrad(0.3)), mse, optax.adam(0.05),
+                    mesh=mesh_of(1), pipelining=pipelining, progress="off", padding_id=-1,
+                    workdir=tmp_path, save_every=2, eval_metrics=())
+  with pytest.raises(RuntimeError, match=message):
+    trainer.fit(batches, eval_data=batches[:1], eval_every=2, callbacks=[callback])
+  step = int(trainer.state.step)
+  assert trainer.latest_checkpoint_step() == step
+  resumed = make_trainer(tmp_path, pipelining)
+  assert resumed.fit(batches).resumed_from == step
+  reference = make_trainer(None, pipelining)
+  reference.fit(batches)
+  assert_same_run(resumed, reference)
+
+
+@pytest.mark.parametrize("use", ["evaluate", "predict"])
+@pytest.mark.parametrize("pipelining", [True, False])
+def test_a_new_trainer_evaluates_the_trained_workdir_and_fit_still_resumes(tmp_path, pipelining,
+                                                                           use):
+  """evaluate / predict of a new Trainer use the latest checkpoint, not the initial values;
+  a fit afterwards resumes that checkpoint with its in-flight batch and data position."""
+  batches, held_out = make_batches(7, seed=84), make_batches(2, seed=85)
+  first = make_trainer(tmp_path, pipelining)
+  first.fit(batches, num_steps=4)
+
+  def run(trainer):
+    if use == "evaluate":
+      return trainer.evaluate([{**b, "labels": (b["labels"] > 0).astype(np.float32)}
+                               for b in held_out])["loss"]
+    return trainer.predict([{k: v for k, v in b.items() if k != "labels"} for b in held_out])
+
+  expected = run(first)
+  second = make_trainer(tmp_path, pipelining)
+  assert_same_bits(run(second), expected)
+  assert int(second.state.step) == 4
+  history = second.fit(batches)
+  assert history.resumed_from == 4 and history.final_step == 7
+  reference = make_trainer(None, pipelining)
+  reference.fit(batches)
+  assert_same_run(second, reference)

@@ -296,6 +296,22 @@ def test_fit_argument_errors_name_the_argument(arguments, message):
     trainer.fit(make_batches(2, seed=41), **arguments)
 
 
+def test_eval_every_refuses_one_shot_eval_data_before_training():
+  """A generator is exhausted by the first evaluation: the second would fail mid-fit."""
+  trainer = Trainer(LinearHead(), make_specs(SGD(SPARSE_LR)), mse, optax.sgd(DENSE_LR),
+                    mesh=mesh_of(1), progress="off", padding_id=-1, eval_metrics=())
+  held_out = make_batches(2, seed=45)
+  with pytest.raises(ValueError, match=r"eval_every=2 evaluates eval_data several times.*"
+                                       r" one-shot generator"):
+    trainer.fit(make_batches(4, seed=44), eval_data=(b for b in held_out), eval_every=2)
+  assert trainer.state is None  # refused before any step
+  history = trainer.fit(make_batches(4, seed=44), eval_data=held_out, eval_every=2)
+  assert [step for step, _ in history.evaluations] == [2, 4]
+  # Evaluated once at the end when the last step is not an eval_every one.
+  history = trainer.fit(make_batches(3, seed=46), eval_data=iter(held_out))
+  assert [step for step, _ in history.evaluations] == [7]
+
+
 def test_dropped_ids_are_counted_and_warned_about_once(caplog):
   tight = [dataclasses.replace(spec, table=dataclasses.replace(spec.table, max_ids_per_partition=4,
                                                               max_unique_ids_per_partition=4))
