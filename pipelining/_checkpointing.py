@@ -42,6 +42,7 @@ from checkpoint import (
     EmbeddingSave,
     IncompatibleCheckpointError,
     IncrementalPolicy,
+    SlotMismatchError,
     UpdatedRows,
     batch_rows,
 )
@@ -270,7 +271,15 @@ class TrainerCheckpoints:
         # The tables in the state's dtype; another stored dtype is refused.
         dtype=next(iter(state_template.embeddings.tables.values())).dtype,
     )
-    restored = self._manager.restore(step, embedding, items=items)
+    try:
+      restored = self._manager.restore(step, embedding, items=items)
+    except SlotMismatchError as error:
+      # The checkpoint's hint names a restore option the Trainer does not offer.
+      message = str(error).split(" Restore with ", 1)[0]
+      raise SlotMismatchError(
+          f"{message} The Trainer resumes optimizer state as it is: give the tables the"
+          " optimizer the checkpoint was trained with, or train in another workdir."
+      ) from error
     dense = restored["dense"]
     tables = restored["embedding"]
     state = TrainState(

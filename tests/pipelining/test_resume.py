@@ -12,9 +12,9 @@ import optax
 import pytest
 
 import jax
-from checkpoint import CheckpointError
+from checkpoint import CheckpointError, SlotMismatchError
 from pipelining import Callback, Trainer
-from sc_framework.optimizers import Adagrad
+from sc_framework.optimizers import SGD, Adagrad
 from test_trainer import LinearHead, logical_tables, make_batches, make_specs, mesh_of, mse
 from tests.numerics import assert_same_bits
 
@@ -105,6 +105,15 @@ def test_checkpoint_with_other_vocabulary_names_the_table(tmp_path):
   specs = [specs[0], specs[1].__class__("fb", bigger, specs[1].input_shape), specs[2]]
   with pytest.raises(CheckpointError, match="'b'"):
     make_trainer(tmp_path, False, specs).fit(batches)
+
+
+def test_a_checkpoint_of_another_optimizer_gets_advice_the_trainer_can_follow(tmp_path):
+  """The slot mismatch names both slot sets and no restore option the Trainer lacks."""
+  batches = make_batches(2, seed=71)
+  make_trainer(tmp_path, False).fit(batches)
+  with pytest.raises(SlotMismatchError, match=r"\('accumulator'.*other workdir") as error:
+    make_trainer(tmp_path, False, make_specs(SGD(0.3))).fit(batches)
+  assert "on_slot_mismatch" not in str(error.value), str(error.value)
 
 
 def test_num_steps_is_exact_with_a_batch_in_flight(tmp_path):
