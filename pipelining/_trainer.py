@@ -487,6 +487,13 @@ class Trainer:
           "eval_data": eval_data is not None, "step": int(self.state.step),
           "in_flight": self._loop.in_flight is not None, "resumed_from": history.resumed_from,
       }, hint=_SAME_STEPS)
+      if num_steps is not None and int(self.state.step) > num_steps:
+        _LOG.warning(
+            "fit(num_steps=%d) trains nothing: the state is already at step %d%s. num_steps"
+            " counts every update, resumed ones included; pass a larger total.",
+            num_steps, int(self.state.step),
+            "" if history.resumed_from is None else f" (resumed from checkpoint step"
+            f" {history.resumed_from})")
       progress = self._progress(num_steps)
       progress.start(int(self.state.step), resumed_from=history.resumed_from, setup=describe_run(
           self.plan, backend=self.backend, pipelining=self.config.pipelining,

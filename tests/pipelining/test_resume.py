@@ -164,6 +164,15 @@ def test_a_fit_that_reached_num_steps_resumes_like_one_run(tmp_path, pipelining,
   assert_same_run(second, reference)
 
 
+def test_num_steps_below_the_resumed_step_warns_that_nothing_is_trained(tmp_path, caplog):
+  batches = make_batches(4, seed=83)
+  make_trainer(tmp_path, False).fit(batches)
+  with caplog.at_level("WARNING", logger="pipelining"):
+    history = make_trainer(tmp_path, False).fit(batches, num_steps=2)
+  assert history.resumed_from == 4 and history.final_step == 4 and not history.steps
+  assert "fit(num_steps=2) trains nothing: the state is already at step 4" in caplog.text
+
+
 @pytest.mark.parametrize("num_steps", [3, 4, 5])
 def test_a_synchronous_fit_resuming_a_pipelined_checkpoint_stops_at_num_steps(tmp_path, num_steps):
   """The in-flight batch of a pipelined checkpoint counts toward num_steps."""
