@@ -14,6 +14,7 @@ Run: python benchmarks/fault_injection.py [--json PATH]
 
 from __future__ import annotations
 
+import argparse
 import collections
 import dataclasses
 import json
@@ -33,8 +34,15 @@ sys.path[:0] = [REPO, os.path.join(REPO, "tests", "checkpoint")]
 import fault_lib  # noqa: E402
 
 
+def _parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+      prog="fault_injection.py", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+  parser.add_argument("--json", metavar="PATH", help="also write every case's result here")
+  return parser
+
+
 def main(argv: list[str]) -> int:
-  json_path = argv[argv.index("--json") + 1] if "--json" in argv else None
+  json_path = _parser().parse_args(argv).json
   results = []
   with tempfile.TemporaryDirectory() as scratch:
     template = fault_lib.build_template(os.path.join(scratch, "template", "checkpoints"))

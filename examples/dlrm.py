@@ -207,7 +207,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _parser() -> argparse.ArgumentParser:
-  from sc_framework.cli_types import integer_at_least, positive_float
+  from sc_framework.cli_types import integer_at_least, positive_float, workdir_path
 
   parser = _Parser(prog="dlrm.py", description=__doc__.split("\n\n")[0], allow_abbrev=False,
                    formatter_class=_HelpFormatter)
@@ -226,7 +226,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="steps between evaluations during training (and one at the end)")
   parser.add_argument("--pipelining", action=argparse.BooleanOptionalAction, default=True,
                       help="overlap the embedding lookup of the next batch with the dense step")
-  parser.add_argument("--workdir", default="dlrm_workdir",
+  parser.add_argument("--workdir", type=workdir_path, default="dlrm_workdir",
                       help="checkpoints, metrics.jsonl and the plot; '' disables them")
   parser.add_argument("--save-every", type=positive, default=100,
                       help="steps between checkpoints (with a workdir; one also at the end)")

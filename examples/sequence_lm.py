@@ -192,7 +192,7 @@ def cross_entropy(logits, labels):
 
 
 def build_parser() -> argparse.ArgumentParser:
-  from sc_framework.cli_types import integer_at_least, positive_float
+  from sc_framework.cli_types import integer_at_least, positive_float, workdir_path
 
   parser = argparse.ArgumentParser(
       description=__doc__.split("\n\n")[0], allow_abbrev=False,
@@ -220,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="batches of the held-out part for the perplexity")
   parser.add_argument("--pipelining", action=argparse.BooleanOptionalAction, default=True,
                       help="overlap the lookup of batch k+1 with the dense step of batch k")
-  parser.add_argument("--workdir", default="sequence_lm_workdir",
+  parser.add_argument("--workdir", type=workdir_path, default="sequence_lm_workdir",
                       help="checkpoints, metrics.jsonl and the plot; '' disables them")
   parser.add_argument("--save-every", type=integer_at_least(1), default=500,
                       help="steps between checkpoints")

@@ -1,4 +1,4 @@
-"""Argument types for command lines: bounded numbers with one-line errors.
+"""Argument types for command lines: bounded numbers and work directories, with one-line errors.
 
 `argparse` calls a type on the flag's text and, on `ArgumentTypeError`, prints
 `error: argument --flag: <message>`. The types here refuse what a training
@@ -7,6 +7,7 @@ NaN learning rate) with a message that gives the bound and the value:
 
   parser.add_argument("--steps", type=integer_at_least(0))
   parser.add_argument("--learning-rate", type=positive_float)
+  parser.add_argument("--workdir", type=workdir_path)
 
 `sc-checkpoint` and the examples use them; so can a user's own script.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable
 
 
@@ -43,3 +45,25 @@ def positive_float(text: str) -> float:
   if not (math.isfinite(value) and value > 0):
     raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
   return value
+
+
+def workdir_path(text: str) -> str:
+  """A type accepting a directory to write into: one that exists, or one that can be made.
+
+  A local path is refused when it, or the nearest of its parents that exists,
+  is not a directory (a regular file there would otherwise fail the first
+  save with a bare `NotADirectoryError`). The empty string (no workdir) and
+  URL-like paths (`gs://bucket/run`, any `scheme://`) are returned unchecked.
+  """
+  if not text or "://" in text:
+    return text
+  if os.path.lexists(text) and not os.path.isdir(text):
+    raise argparse.ArgumentTypeError(
+        f"{text!r} exists and is not a directory; give a directory (it is created if missing)")
+  parent = os.path.normpath(text)
+  while parent and not os.path.lexists(parent):
+    parent = os.path.dirname(parent)  # ends at "/" or "" (the current directory)
+  if parent and not os.path.isdir(parent):
+    raise argparse.ArgumentTypeError(
+        f"{text!r} cannot be created: {parent!r} is not a directory")
+  return text

@@ -78,6 +78,20 @@ def test_bad_flags_give_one_line_naming_the_flag(argv, message, capsys):
   assert err.count("\n") == 1 and message in err and "Traceback" not in err, err
 
 
+def test_a_workdir_that_is_a_file_gives_one_line_naming_it(tmp_path, capsys):
+  """It used to fail at the first save with a NotADirectoryError traceback."""
+  blocker = tmp_path / "dlrm_workdir"
+  blocker.write_text("a file, not a directory")
+  for workdir in (blocker, blocker / "run"):
+    with pytest.raises(SystemExit) as exit_:
+      dlrm.main(["--steps", "1", *SMALL, "--workdir", str(workdir)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "argument --workdir: " in err, err
+    assert f"{str(blocker)!r}" in err and "is not a directory" in err, err
+  assert blocker.read_text() == "a file, not a directory"
+
+
 def test_batch_size_must_divide_over_the_devices(capsys):
   with pytest.raises(SystemExit):
     dlrm.main(["--batch-size", "60", "--steps", "0", "--workdir", ""])  # 8 devices in tests

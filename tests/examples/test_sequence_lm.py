@@ -57,3 +57,14 @@ def test_bad_flags_give_one_line_errors(argv, message, capsys):
   assert exit_info.value.code == 2
   error = capsys.readouterr().err.strip().splitlines()[-1]
   assert message in error
+
+
+def test_a_workdir_that_is_a_file_is_refused_naming_it(tmp_path, capsys):
+  """It used to fail at the first save with a NotADirectoryError traceback."""
+  blocker = tmp_path / "sequence_lm_workdir"
+  blocker.write_text("a file, not a directory")
+  with pytest.raises(SystemExit) as exit_info:
+    sequence_lm.main(SMALL + ["--steps", "1", "--workdir", str(blocker)])
+  assert exit_info.value.code == 2
+  error = capsys.readouterr().err.strip().splitlines()[-1]
+  assert f"argument --workdir: {str(blocker)!r} exists and is not a directory" in error

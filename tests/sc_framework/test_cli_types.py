@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from sc_framework.cli_types import integer_at_least, positive_float
+from sc_framework.cli_types import integer_at_least, positive_float, workdir_path
 
 
 def _parser():
@@ -42,3 +42,31 @@ def test_values_outside_the_bounds_name_flag_bound_and_value(argv, message):
   with pytest.raises(argparse.ArgumentError) as error:
     _parser().parse_args(argv)
   assert str(error.value) == message
+
+
+def _workdir_parser():
+  parser = argparse.ArgumentParser(prog="prog", exit_on_error=False)
+  parser.add_argument("--workdir", type=workdir_path)
+  return parser
+
+
+def test_a_workdir_that_is_or_can_become_a_directory_parses(tmp_path):
+  (tmp_path / "run").mkdir()
+  for text in [str(tmp_path), str(tmp_path / "run"), str(tmp_path / "new" / "deeper"), "",
+               "gs://bucket/run"]:
+    assert _workdir_parser().parse_args(["--workdir", text]).workdir == text
+
+
+def test_a_workdir_blocked_by_a_file_names_the_file(tmp_path):
+  """A regular file at the workdir, or above it, used to fail the first save with a bare
+  NotADirectoryError; the flag is refused instead, naming the path."""
+  blocker = tmp_path / "notes.txt"
+  blocker.write_text("not a directory")
+  with pytest.raises(argparse.ArgumentError) as error:
+    _workdir_parser().parse_args(["--workdir", str(blocker)])
+  assert str(error.value) == (f"argument --workdir: {str(blocker)!r} exists and is not a"
+                              " directory; give a directory (it is created if missing)")
+  with pytest.raises(argparse.ArgumentError) as error:
+    _workdir_parser().parse_args(["--workdir", str(blocker / "run" / "1")])
+  assert str(error.value) == (f"argument --workdir: {str(blocker / 'run' / '1')!r} cannot be"
+                              f" created: {str(blocker)!r} is not a directory")
