@@ -260,6 +260,9 @@ class CheckpointManager:
   ) -> dict[str, Any]:
     """Restores the requested items of `step` (default: the latest step).
 
+    First waits for this manager's own saves in progress, so the step saved
+    last is restored, not the one before it (a failed save raises here).
+
     Returns:
       item name -> restored value (the embedding item under `embedding_item`).
 
@@ -273,6 +276,10 @@ class CheckpointManager:
         than the requested tree (naming the parameter, both shapes, the step).
     """
     args = self._composite(embedding, items, (EmbeddingRestore, TableRestore))
+    if not self._read_only:
+      # This manager's own saves still being written are not complete steps
+      # yet: the newest would be missed (or taken for a damaged one).
+      self.wait_until_finished()
     if step is not None:
       if step not in self.all_steps():
         raise NotACheckpointError(

@@ -309,3 +309,17 @@ def test_an_item_a_step_never_saved_is_named_not_reported_as_damage(tmp_path):
       mngr.restore(None, ck.TableRestore())
     assert mngr.restore(1, items=wanted)["extra"] == {"epoch": 1}
     assert_same_bits(mngr.restore(items={"params": wanted["params"]})["params"]["w"], params["w"])
+
+
+def test_restore_waits_for_this_managers_saves_in_progress(tmp_path):
+  """restore(None) right after async saves returns the step saved last, with no warning."""
+  model, layout, embedding = _state()
+  with ck.CheckpointManager(tmp_path) as mngr:
+    for step in range(3):
+      mngr.save(step, embedding)
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      restored = mngr.restore(None, ck.TableRestore())
+    assert mngr.latest_step() == 2
+  for name, logical in model.logical.items():
+    assert_same_bits(restored["embedding"].tables[name], logical)
