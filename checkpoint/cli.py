@@ -29,9 +29,12 @@ status in `_COMMANDS`.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import os
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 
 from etils import epath
@@ -41,6 +44,7 @@ from checkpoint._compact import compact
 from checkpoint._convert import convert
 from checkpoint._errors import CheckpointError, NotACheckpointError
 from checkpoint._format import MANIFEST_FILE
+from checkpoint._integrity import INTEGRITY_FILE
 from checkpoint._inspect import format_description, inspect
 from checkpoint._layouts import layout_for_tables, parse_groups, relayout
 from checkpoint._reader import CheckpointReader, find_item
@@ -147,6 +151,15 @@ def _verify(args: argparse.Namespace) -> int:
     print(f"{label} {problem}")
   failed = sum(problem.severity == "error" for problem in problems)
   print(f"{args.path}: {failed} errors, {len(problems) - failed} warnings")
+  unmanifested = sorted({
+      str(problem.path.parent) for problem in problems
+      if problem.severity == "error" and problem.path.name == INTEGRITY_FILE
+      and not problem.path.exists() and not args.adopt
+  })
+  for step in unmanifested:
+    print(f"{step} has no {INTEGRITY_FILE}: if an older version wrote it (before integrity"
+          f" manifests) rather than a partial copy, `sc-checkpoint verify --adopt {step}` checks"
+          " what can be checked and gives it one.")
   return 1 if failed else 0
 
 
@@ -244,7 +257,7 @@ def _not_a_checkpoint_hint(path: epath.Path) -> str:
   return ""
 
 
-def _source(path: str) -> epath.Path:
+def _source(path: str, quiet: bool) -> epath.Path:
   """The checkpoint to convert: an item, a step directory, or a root's latest step.
 
   Raises:
@@ -263,8 +276,9 @@ def _source(path: str) -> epath.Path:
         " directory of an embedding checkpoint or its embedding item."
     )
   latest = epath.Path(info["latest"]["path"])
-  print(f"{src} is a checkpoints root: converting its latest step {info['latest_step']}"
-        f" ({latest})", file=sys.stderr, flush=True)
+  if not quiet:
+    print(f"{src} is a checkpoints root: converting its latest step {info['latest_step']}"
+          f" ({latest})", file=sys.stderr, flush=True)
   return latest
 
 
@@ -279,7 +293,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-  src = _source(args.src)
+  src = _source(args.src, args.quiet)
   if epath.Path(args.dst).exists() and not args.overwrite:
     raise FileExistsError(
         f"{args.dst} already exists; choose another destination or pass --overwrite to replace"
@@ -340,11 +354,27 @@ def main(argv: Sequence[str] | None = None) -> int:
   except SystemExit as exit_:
     return int(exit_.code or 0)
   try:
-    return _COMMANDS[args.command](args)
+    with warnings.catch_warnings():
+      warnings.showwarning = functools.partial(_show_warning, args.command)
+      return _COMMANDS[args.command](args)
+  except BrokenPipeError:
+    # The reader of stdout stopped (`inspect ... | head`): not an error of ours.
+    # Further writes to the closed pipe (at exit) go to /dev/null instead.
+    try:
+      os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+      pass  # stdout is no file (an embedding program's stream): nothing is flushed to it.
+    return 0
   except (CheckpointError, ValueError, TypeError, KeyError, FileExistsError, OSError) as error:
     message = error.args[0] if isinstance(error, KeyError) and error.args else error
     print(f"sc-checkpoint {args.command}: error: {_one_line(str(message))}", file=sys.stderr)
     return 1
+
+
+def _show_warning(command: str, message, category, filename, lineno, file=None, line=None):
+  """A warning as one line on stderr, like the errors (no source file or line)."""
+  del category, filename, lineno, file, line
+  print(f"sc-checkpoint {command}: warning: {_one_line(str(message))}", file=sys.stderr)
 
 
 def _one_line(message: str) -> str:

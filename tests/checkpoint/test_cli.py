@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -15,6 +18,7 @@ from ckpt_testlib import make_model
 from sc_framework.optimizers import Adam
 from tests.numerics import assert_same_bits
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TABLES = [("a", 64, 12), ("b", 120, 10), ("c", 40, 16), ("d", 200, 8)]
 
 
@@ -221,7 +225,9 @@ def test_bad_flags_give_one_line_naming_the_flag(argv, message, capsys):
 def test_convert_of_a_root_takes_its_latest_step(saved, tmp_path, capsys):
   model, _, root = saved
   out = tmp_path / "latest"
-  assert main(["convert", str(root), str(out), "--unstacked", "--quiet"]) == 0
+  assert main(["convert", str(root), str(tmp_path / "quiet"), "--unstacked", "--quiet"]) == 0
+  assert capsys.readouterr().err == ""  # --quiet: nothing but errors
+  assert main(["convert", str(root), str(out), "--unstacked"]) == 0
   assert f"converting its latest step 3 ({root / '3'})" in capsys.readouterr().err
   _check(model, out / "embedding")
   assert main(["inspect", str(out)]) == 0  # a converted step: no step number in its name
@@ -259,3 +265,38 @@ def test_an_integrity_failure_is_one_line_naming_every_file(saved, tmp_path, cap
   err = capsys.readouterr().err
   assert err.count("\n") == 1 and all(str(path) in err for path in damaged), err
   assert "failed its integrity check: " in err and not (tmp_path / "x").exists()
+
+
+def test_a_warning_is_one_line_like_the_errors(saved, tmp_path, capsys):
+  """An entry the step's manifest does not list is named, without Python's warning format."""
+  _, _, root = saved
+  (root / "3" / "notes.txt").write_text("added by hand")
+  assert main(["convert", str(root / "3"), str(tmp_path / "x"), "--unstacked", "--quiet"]) == 0
+  err = capsys.readouterr().err
+  assert err == (f"sc-checkpoint convert: warning: {root / '3' / 'notes.txt'} is not in the"
+                 " integrity manifest of the step being converted (not written by the checkpoint"
+                 " manager): it is not copied into the output.\n"), err
+
+
+def test_inspect_into_a_closed_pipe_exits_quietly(saved):
+  """`sc-checkpoint inspect ROOT | head -1`: the reader left early; no error, status 0."""
+  _, _, root = saved
+  read_end, write_end = os.pipe()
+  os.close(read_end)  # Every write to the pipe fails as it does once `head` has exited.
+  try:
+    done = subprocess.run([sys.executable, "-m", "checkpoint.cli", "inspect", str(root)],
+                          stdout=write_end, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                          timeout=120)
+  finally:
+    os.close(write_end)
+  assert done.returncode == 0 and done.stderr == "", done.stderr
+
+
+def test_verify_of_a_step_without_manifest_points_at_adopt(saved, capsys):
+  _, _, root = saved
+  (root / "3" / "integrity.json").unlink()
+  assert main(["verify", str(root / "3")]) == 1
+  out = capsys.readouterr().out
+  assert f"`sc-checkpoint verify --adopt {root / '3'}`" in out, out
+  assert main(["verify", "--adopt", str(root / "3")]) == 0
+  assert "--adopt" not in capsys.readouterr().out
