@@ -51,7 +51,7 @@ from pipelining._progress import Progress, describe_run
 from pipelining._signals import install_stop_handlers, restore_handlers
 from pipelining._steps import DeviceBatch, InFlight, StepFunctions, TrainState
 from sc_framework.host_allocator import keep_freed_memory
-from sc_framework.preprocessing import preprocess
+from sc_framework.preprocessing import PartitionOverflowError, preprocess
 from sc_framework.primitives import (
     DEFAULT_AXIS_NAME,
     EmbeddingPlan,
@@ -232,11 +232,19 @@ class Trainer:
     return staged
 
   def _preprocess(self, sparse: Any):
-    batch, stats = preprocess(
-        sparse, self.plan.feature_specs, self.plan.layout,
-        padding_id=self.config.padding_id, allow_id_dropping=self.config.allow_id_dropping,
-        devices=self._local_devices,
-    )
+    try:
+      batch, stats = preprocess(
+          sparse, self.plan.feature_specs, self.plan.layout,
+          padding_id=self.config.padding_id, allow_id_dropping=self.config.allow_id_dropping,
+          devices=self._local_devices,
+      )
+    except PartitionOverflowError as error:  # Its advice names preprocess's options.
+      raise error.with_advice(
+          "Raise the tables' max_ids_per_partition / max_unique_ids_per_partition to at least"
+          f" {tuple(error.needed)} (size_limits_from_stats computes them from a few batches),"
+          " or pass allow_id_dropping=True to the Trainer to drop the excess ids"
+          " deterministically (counted in trainer.dropped_ids)."
+      ) from None
     if stats.num_dropped_ids:
       self._count_dropped(stats)
     return batch

@@ -17,6 +17,7 @@ from sc_framework.preprocessing._preprocess import (
 )
 from sc_framework.preprocessing._scratch import release as release_scratch_buffers
 from sc_framework.preprocessing._stats import (
+    PartitionOverflowError,
     PreprocessStats,
     StackCapacity,
     StackStats,
@@ -42,6 +43,7 @@ __all__ = [
     "PreprocessStats",
     "StackStats",
     "StackCapacity",
+    "PartitionOverflowError",
     "merge_stats",
     "stack_capacities",
     "size_limits_from_stats",

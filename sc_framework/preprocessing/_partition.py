@@ -35,7 +35,7 @@ from sc_framework.preprocessing._dedup import Merged, merge
 from sc_framework.preprocessing._dropping import _drop, _locate_within_limits
 from sc_framework.preprocessing._locate import (_device_bounds, _locate_rows, _one_pass_drop,
                                                 _Rows)
-from sc_framework.preprocessing._stats import StackCapacity, StackStats
+from sc_framework.preprocessing._stats import PartitionOverflowError, StackCapacity, StackStats
 from sc_framework.stacking import StackLayout
 
 
@@ -77,7 +77,7 @@ def _factors(combiner: str, denominators: np.ndarray, owners: np.ndarray,
 
 
 def _overflow_error(stack: StackLayout, counts, unique_counts,
-                    capacity: StackCapacity, first_device: int = 0) -> ValueError:
+                    capacity: StackCapacity, first_device: int = 0) -> PartitionOverflowError:
   worst = []
   for what, observed, limit, name in (
       ("sends {} ids (distinct (sample, row) pairs) to", counts,
@@ -92,15 +92,18 @@ def _overflow_error(stack: StackLayout, counts, unique_counts,
           f" {name} = {limit}"
       )
   needed = StackCapacity(int(counts.max()), int(unique_counts.max()))
-  return ValueError(
+  finding = (
       f"partition overflow in stack {stack.name!r} (tables {list(stack.table_names)}): "
       + "; ".join(worst)
       + f". The batch needs at least {needed}; the limits are the maxima over the stack's"
-      " tables. Raise the tables' max_ids_per_partition / max_unique_ids_per_partition"
+      " tables."
+  )
+  return PartitionOverflowError(finding, stack.name, needed, (
+      "Raise the tables' max_ids_per_partition / max_unique_ids_per_partition"
       " (size_limits_from_stats computes them from a few batches), pass"
       f" capacities={{{stack.name!r}: {needed}}}, or pass allow_id_dropping=True to drop the"
       " excess ids deterministically."
-  )
+  ))
 
 
 class _Partitioned(NamedTuple):

@@ -37,6 +37,25 @@ class StackCapacity(NamedTuple):
     return num_shards * self.max_ids_per_partition
 
 
+class PartitionOverflowError(ValueError):
+  """A batch needs more entries or distinct rows in a partition than its stack's capacity.
+
+  Attributes:
+    stack: the stack's name.
+    needed: the capacity the batch needs (its largest partition).
+    finding: the message without its advice: which device sends how many
+      ids or rows to which shard, against which limit.
+  """
+
+  def __init__(self, finding: str, stack: str, needed: StackCapacity, advice: str):
+    super().__init__(f"{finding} {advice}")
+    self.finding, self.stack, self.needed = finding, stack, needed
+
+  def with_advice(self, advice: str) -> PartitionOverflowError:
+    """The same finding with other advice (for a caller with other options)."""
+    return PartitionOverflowError(self.finding, self.stack, self.needed, advice)
+
+
 def _check_capacity(stack: str, capacity) -> StackCapacity:
   try:
     ids, unique = capacity

@@ -19,7 +19,7 @@ from flax import linen as nn
 from pipelining import Trainer
 from sc_framework import FeatureSpec, TableSpec
 from sc_framework.optimizers import SGD, Adagrad
-from sc_framework.preprocessing import preprocess
+from sc_framework.preprocessing import PartitionOverflowError, preprocess
 from sc_framework.stacking import unstack
 from tests.numerics import assert_close, assert_same_bits
 
@@ -312,12 +312,29 @@ def test_eval_every_refuses_one_shot_eval_data_before_training():
   assert [step for step, _ in history.evaluations] == [7]
 
 
-def test_dropped_ids_are_counted_and_warned_about_once(caplog):
+def _tight_specs():
+  """make_specs with partition limits of 4: the test batches overflow them."""
   tight = [dataclasses.replace(spec, table=dataclasses.replace(spec.table, max_ids_per_partition=4,
                                                               max_unique_ids_per_partition=4))
            for spec in make_specs(SGD(SPARSE_LR))]
   # Features that share table "a" must carry the same (replaced) TableSpec.
   tight[2] = dataclasses.replace(tight[2], table=tight[0].table)
+  return tight
+
+
+def test_an_overflow_gives_advice_the_trainer_can_follow():
+  """preprocess's advice names its own `capacities=`; the Trainer's names its options."""
+  trainer = Trainer(LinearHead(), _tight_specs(), mse, optax.sgd(DENSE_LR), mesh=mesh_of(1),
+                    progress="off", padding_id=-1)
+  with pytest.raises(PartitionOverflowError, match=r"partition overflow in stack .* to at least"
+                     r" \(\d+, \d+\) .* allow_id_dropping=True to the Trainer") as error:
+    trainer.fit(make_batches(2, seed=40))
+  assert "capacities=" not in str(error.value)
+  assert error.value.__notes__ == ["(in batch 0 of the training data)"]
+
+
+def test_dropped_ids_are_counted_and_warned_about_once(caplog):
+  tight = _tight_specs()
   batches = make_batches(3, seed=40)
   trainer = Trainer(LinearHead(), tight, mse, optax.sgd(DENSE_LR), mesh=mesh_of(1),
                     progress="off", padding_id=-1, allow_id_dropping=True)

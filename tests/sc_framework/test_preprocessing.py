@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from sc_framework.preprocessing import (
     DenseIds,
+    PartitionOverflowError,
     PreprocessStats,
     RaggedIds,
     RaggedRows,
@@ -667,11 +668,14 @@ def test_overflow_raises_with_a_clear_message():
   layout = auto_stack_tables(specs, 2, 1)
   samples = {s.name: random_samples(rng, s.batch_size, 40, 8, empty_rate=0) for s in specs}
   inputs = {n: to_form(s, "ragged_list", False)[0] for n, s in samples.items()}
-  with pytest.raises(ValueError) as info:
+  with pytest.raises(PartitionOverflowError) as info:  # a ValueError
     preprocess(inputs, specs, layout)
   message = str(info.value)
   stats = batch_stats(inputs, specs, layout)
   observed = stats["hot__cold"]
+  assert info.value.stack == "hot__cold"
+  assert info.value.needed == (observed.max_ids_per_partition,
+                               observed.max_unique_ids_per_partition)
   assert "stack 'hot__cold'" in message and "allow_id_dropping=True" in message
   assert "size_limits_from_stats" in message
   assert f"{observed.max_ids_per_partition} ids" in message
