@@ -19,6 +19,7 @@ process). CONFIG keys:
   no_kernels    a process that behaves as if its C++ CPU kernels were not
                 built (it chooses the portable backend), or null.
   short         a process that feeds one batch less than the others, or null.
+  empty         a process that feeds no batch at all, or null.
   late          {"process": p, "seconds": s}: process p sleeps s seconds
                 before it builds its Trainer, or null.
   timeout_s, heartbeat_timeout_s  passed to initialize_distributed.
@@ -89,6 +90,8 @@ def run(config):
   data = local_batches(trainer, make_batches(config["batches"], config["seed"]))
   if config.get("short") == process:
     data = data[:-1]
+  if config.get("empty") == process:
+    data = []
   history = trainer.fit(data, num_steps=config.get("num_steps"),
                         callbacks=[Inject(config, process, config["out"])])
   result = {"losses": [m["loss"] for m in history.metrics], "final_step": history.final_step,

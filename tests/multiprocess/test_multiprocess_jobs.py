@@ -285,6 +285,16 @@ def test_the_data_ends_for_all_when_one_process_has_fewer_batches(tmp_path):
   assert "process 0: another process's data ended" in outcomes[0].stderr
 
 
+def test_the_data_ends_for_all_when_one_process_has_no_batches(tmp_path):
+  """A process without a batch cannot build: every process stops before building, none
+  waits for it until the distributed timeout and fails."""
+  outcomes = run_failing(tmp_path, empty=1)
+  assert [o.returncode for o in outcomes] == [0, 0], describe(outcomes)
+  for process in (0, 1):
+    assert history(tmp_path, process)["final_step"] == 0
+  assert "process 0: the data of processes [1] holds no batch" in outcomes[0].stderr
+
+
 def test_a_job_whose_processes_do_not_all_start_fails_at_start_up(tmp_path):
   config = {"out": str(tmp_path), "workdir": None, "batches": BATCHES, "seed": SEED,
             "timeout_s": 5}
