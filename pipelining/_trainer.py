@@ -26,7 +26,7 @@ from pipelining._callbacks import Callback
 from pipelining._config import TrainerConfig, check_count
 from pipelining._data import DataStream, own_position, share_position
 from pipelining._features import FeatureTree
-from pipelining._distributed import allgather_json, check_agreement
+from pipelining._distributed import allgather_json, check_agreement, check_shared_directory
 from pipelining._fit_loop import (
     History,
     LoopState,
@@ -176,6 +176,7 @@ class Trainer:
     if self.config.workdir is not None:
       from pipelining._checkpointing import TrainerCheckpoints
 
+      check_shared_directory("workdir", self.config.workdir)
       self._checkpoints = TrainerCheckpoints(
           self.config.workdir, self.plan, keep=self.config.keep,
           incremental=self.config.incremental, unapplied_batches=self.config.prefetch_depth + 3)
@@ -318,6 +319,8 @@ class Trainer:
                        for s in self.plan.layout.stacks},
         "config": {k: describe(v) for k, v in dataclasses.asdict(self.config).items()
                    if k not in _LOCAL_OPTIONS},
+        # Its path may differ per host; whether there is one may not (saves are collective).
+        "workdir given": self.config.workdir is not None,
         # Chosen per process ("auto"): processes with different backends would
         # run different programs and wait for each other forever.
         "backend": self.backend.name,

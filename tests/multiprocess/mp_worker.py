@@ -6,7 +6,7 @@ process). CONFIG keys:
   out           directory for the results: every process writes
                 history_<p>.json; process 0 writes state.npz (and
                 predictions.npy with "predict").
-  workdir       the Trainer's workdir, or null.
+  workdir       the Trainer's workdir, or null; or a list, one per process id.
   batches, seed the global batches (mp_model.make_batches).
   num_steps     fit's num_steps (null: all batches).
   stop_at       request_stop() after this step (an interrupted, pipelined
@@ -85,7 +85,10 @@ def run(config):
     from checkpoint import IncrementalPolicy
 
     incremental = IncrementalPolicy(**config["incremental"])
-  trainer = make_trainer(config.get("workdir"), learning_rate=rate,
+  workdir = config.get("workdir")
+  if isinstance(workdir, list):
+    workdir = workdir[process]
+  trainer = make_trainer(workdir, learning_rate=rate,
                          save_every=config.get("save_every"), incremental=incremental)
   data = local_batches(trainer, make_batches(config["batches"], config["seed"]))
   if config.get("short") == process:

@@ -254,6 +254,28 @@ def test_processes_that_disagree_fail_naming_the_difference(tmp_path):
   assert all(outcome.returncode not in (0, None) for outcome in outcomes), describe(outcomes)
 
 
+def test_processes_with_workdirs_they_do_not_share_fail_naming_them(tmp_path):
+  """Each process writes its part of every checkpoint in the workdir: directories that are
+  not shared would leave the first save waiting forever for the other parts."""
+  own = [str(tmp_path / "host0"), str(tmp_path / "host1")]
+  outcomes = run_failing(tmp_path, workdir=own, stop_at=2)
+  named = [outcome for outcome in outcomes
+           if f"processes [1] do not reach the workdir of process 0 ({own[0]!r})" in outcome.stderr
+           and f"in its workdir {own[1]!r}" in outcome.stderr]
+  assert len(named) == len(outcomes), describe(outcomes)
+  assert all(outcome.returncode not in (0, None) for outcome in outcomes), describe(outcomes)
+  assert [p.name for p in (tmp_path / "host0").iterdir()] == []  # the marker is removed
+
+
+def test_a_workdir_on_one_process_only_fails_naming_it(tmp_path):
+  outcomes = run_failing(tmp_path, workdir=[str(tmp_path / "workdir"), None], stop_at=2)
+  named = [outcome for outcome in outcomes
+           if "processes disagree on the trainer setup: process 0 has workdir given = True but"
+              " process 1 has False" in outcome.stderr]
+  assert len(named) == len(outcomes), describe(outcomes)
+  assert all(outcome.returncode not in (0, None) for outcome in outcomes), describe(outcomes)
+
+
 @pytest.mark.skipif(not cpu_kernels_available(), reason="needs the C++ CPU kernels")
 def test_processes_that_choose_different_backends_fail_naming_them(tmp_path):
   """A host without the built kernels picks the portable backend under "auto";
