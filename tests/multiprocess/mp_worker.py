@@ -22,6 +22,7 @@ process). CONFIG keys:
   empty         a process that feeds no batch at all, or null.
   late          {"process": p, "seconds": s}: process p sleeps s seconds
                 before it builds its Trainer, or null.
+  mesh_devices  a mesh of the first this many of jax.devices() (null: every device).
   timeout_s, heartbeat_timeout_s  passed to initialize_distributed.
 """
 
@@ -88,7 +89,10 @@ def run(config):
   workdir = config.get("workdir")
   if isinstance(workdir, list):
     workdir = workdir[process]
-  trainer = make_trainer(workdir, learning_rate=rate,
+  mesh = None
+  if config.get("mesh_devices"):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:config["mesh_devices"]]), ("devices",))
+  trainer = make_trainer(workdir, learning_rate=rate, mesh=mesh,
                          save_every=config.get("save_every"), incremental=incremental)
   data = local_batches(trainer, make_batches(config["batches"], config["seed"]))
   if config.get("short") == process:

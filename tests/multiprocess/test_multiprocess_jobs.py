@@ -276,6 +276,13 @@ def test_a_workdir_on_one_process_only_fails_naming_it(tmp_path):
   assert all(outcome.returncode not in (0, None) for outcome in outcomes), describe(outcomes)
 
 
+def test_a_mesh_without_the_devices_of_a_process_fails_naming_it(tmp_path):
+  outcomes = run_failing(tmp_path, mesh_devices=4)  # process 0's devices only
+  assert "process 1 has no device on mesh axis 'devices' (the mesh's devices belong to" \
+         " processes [0])" in outcomes[1].stderr, describe(outcomes)
+  assert all(outcome.returncode not in (0, None) for outcome in outcomes), describe(outcomes)
+
+
 @pytest.mark.skipif(not cpu_kernels_available(), reason="needs the C++ CPU kernels")
 def test_processes_that_choose_different_backends_fail_naming_them(tmp_path):
   """A host without the built kernels picks the portable backend under "auto";
