@@ -27,7 +27,11 @@ Failure, not a hang:
   * processes that disagree (other specs, batch sizes, options, steps) or a
     process that does not arrive: `check_agreement` and `barrier` raise
     `DistributedError` after at most `timeout_s`, naming the processes and
-    the difference, before any collective could hang on them.
+    the difference, before any collective could hang on them;
+  * a workdir that is not one directory shared by every process (each
+    host's own disk) or that only some processes have: the Trainer raises
+    `DistributedError` when it is built (`check_shared_directory`), instead
+    of the first save waiting forever for the other processes' parts.
 
 The environment variables read when an argument is not given:
   JAX_COORDINATOR_ADDRESS  host:port of process 0's coordinator service
@@ -45,11 +49,13 @@ import os
 import sys
 import time
 import traceback
+import uuid
 from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
 
 import jax
+from etils import epath
 
 ENV_COORDINATOR_ADDRESS = "JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
@@ -414,6 +420,54 @@ def check_agreement(what: str, value: Mapping[str, Any], *, timeout_s: float | N
         f" {index} has {theirs!r}. Every process must run the same program with the same specs,"
         " batch sizes, options and step counts; only the process id and each process's slice"
         f" of the data differ.{' ' + hint if hint else ''}"
+    )
+
+
+def check_shared_directory(what: str, directory: epath.PathLike) -> None:
+  """Checks that `directory` is one directory that every process reaches; no-op for one process.
+
+  Each process writes its part of every checkpoint there and process 0
+  commits the step, so a directory each process has on its own disk (the
+  same path on several hosts, or other paths) leaves every save waiting for
+  files that never appear. Process 0 writes a marker file there, every
+  process looks for it, and process 0 removes it.
+
+  Args:
+    what: names the directory in messages and keys, e.g. "workdir".
+    directory: this process's path of it.
+
+  Raises:
+    DistributedError: naming the processes that do not see process 0's
+      marker and their paths (every process raises the same error).
+  """
+  if jax.process_count() == 1:
+    return
+  directory = epath.Path(directory)
+  marker = None
+  if jax.process_index() == 0:
+    marker = f".shared-{what}-check-{uuid.uuid4().hex}"
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / marker).write_text(marker)
+  paths = allgather_json(f"shared {what}", {"path": str(directory), "marker": marker})
+  marker = paths[0]["marker"]
+  try:
+    seen = (directory / marker).read_text() == marker
+  except OSError:
+    seen = False
+  everyone = allgather_json(f"shared {what} seen", seen)
+  if jax.process_index() == 0:
+    try:
+      (directory / marker).unlink()
+    except OSError:
+      pass
+  blind = [index for index, ok in enumerate(everyone) if not ok]
+  if blind:
+    raise DistributedError(
+        f"processes {blind} do not reach the {what} of process 0 ({paths[0]['path']!r}): process"
+        f" 0 wrote {marker!r} there, but process {blind[0]} finds no such file in its {what}"
+        f" {paths[blind[0]]['path']!r}. The {what} must be one directory that every process"
+        " reaches (shared storage, or a cloud path such as gs://bucket/run): each process"
+        " writes its part of every checkpoint there."
     )
 
 

@@ -26,7 +26,7 @@ from pipelining._callbacks import Callback
 from pipelining._config import TrainerConfig, check_count
 from pipelining._data import DataStream, own_position, share_position
 from pipelining._features import FeatureTree
-from pipelining._distributed import check_agreement
+from pipelining._distributed import allgather_json, check_agreement, check_shared_directory
 from pipelining._fit_loop import (
     History,
     LoopState,
@@ -179,6 +179,7 @@ class Trainer:
     if self.config.workdir is not None:
       from pipelining._checkpointing import TrainerCheckpoints
 
+      check_shared_directory("workdir", self.config.workdir)
       self._checkpoints = TrainerCheckpoints(
           self.config.workdir, self.plan, keep=self.config.keep,
           incremental=self.config.incremental, unapplied_batches=self.config.prefetch_depth + 3)
@@ -329,6 +330,8 @@ class Trainer:
                        for s in self.plan.layout.stacks},
         "config": {k: describe(v) for k, v in dataclasses.asdict(self.config).items()
                    if k not in _LOCAL_OPTIONS},
+        # Its path may differ per host; whether there is one may not (saves are collective).
+        "workdir given": self.config.workdir is not None,
         # Chosen per process ("auto"): processes with different backends would
         # run different programs and wait for each other forever.
         "backend": self.backend.name,
@@ -556,12 +559,34 @@ class Trainer:
   def _start(self, first: Prepared | None, train_data: Iterable[Any], history: History) -> bool:
     """Builds the steps and restores the latest checkpoint; False when there is nothing to fit."""
     example = first.batch.batch if first is not None else self._example_batch(train_data)
+    if first is None and not self._every_process_has(example):
+      return False
     if example is None:
       return False
     self._build(example)
     check_labels_fit_predictions(self._prediction_shapes, example.labels)
     self._restore(example, history)
     return True
+
+  def _every_process_has(self, example: DeviceBatch | None) -> bool:
+    """Whether every process has a batch to build from when no batch is left to train on.
+
+    A process whose data holds no batch at all has nothing to take shapes
+    from, so it cannot build or restore; the others, which could, would wait
+    for it in their first exchange until the distributed timeout. As when a
+    process's data ends during fit, every process stops here instead.
+    """
+    if jax.process_count() == 1:
+      return True
+    have = allgather_json("fit example batch", example is not None)
+    if all(have):
+      return True
+    if example is not None:
+      _LOG.warning(
+          "process %d: the data of processes %s holds no batch, so there is nothing to fit and"
+          " this process's batches are not used. Give every process the same number of"
+          " batches.", jax.process_index(), [p for p, has in enumerate(have) if not has])
+    return False
 
   def _progress(self, num_steps: int | None) -> Progress:
     reporting = jax.process_index() == 0

@@ -155,7 +155,15 @@ class EmbeddingPlan:
     here = jax.process_index()
     positions = [g for g in range(self.num_devices)
                  if any(d.process_index == here for d in grid[g])]
-    if not positions or positions != list(range(positions[0], positions[-1] + 1)):
+    if not positions:
+      raise ValueError(
+          f"process {here} has no device on mesh axis {self.axis_name!r} (the mesh's devices"
+          f" belong to processes {sorted({d.process_index for d in self.mesh.devices.flat})}),"
+          " so it can feed no samples and hold no table rows. Every process of the job must"
+          " hold devices of the table axis: build the mesh from process_major_devices() (all"
+          " devices of every process), as default_mesh() does."
+      )
+    if positions != list(range(positions[0], positions[-1] + 1)):
       raise ValueError(
           f"process {here} holds positions {positions} of mesh axis {self.axis_name!r}, not one"
           " contiguous block, so it cannot feed one contiguous slice of the batch. Build the"

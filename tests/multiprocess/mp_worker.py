@@ -6,7 +6,7 @@ process). CONFIG keys:
   out           directory for the results: every process writes
                 history_<p>.json; process 0 writes state.npz (and
                 predictions.npy with "predict").
-  workdir       the Trainer's workdir, or null.
+  workdir       the Trainer's workdir, or null; or a list, one per process id.
   batches, seed the global batches (mp_model.make_batches).
   num_steps     fit's num_steps (null: all batches).
   stop_at       request_stop() after this step (an interrupted, pipelined
@@ -19,8 +19,10 @@ process). CONFIG keys:
   no_kernels    a process that behaves as if its C++ CPU kernels were not
                 built (it chooses the portable backend), or null.
   short         a process that feeds one batch less than the others, or null.
+  empty         a process that feeds no batch at all, or null.
   late          {"process": p, "seconds": s}: process p sleeps s seconds
                 before it builds its Trainer, or null.
+  mesh_devices  a mesh of the first this many of jax.devices() (null: every device).
   timeout_s, heartbeat_timeout_s  passed to initialize_distributed.
 """
 
@@ -84,11 +86,19 @@ def run(config):
     from checkpoint import IncrementalPolicy
 
     incremental = IncrementalPolicy(**config["incremental"])
-  trainer = make_trainer(config.get("workdir"), learning_rate=rate,
+  workdir = config.get("workdir")
+  if isinstance(workdir, list):
+    workdir = workdir[process]
+  mesh = None
+  if config.get("mesh_devices"):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:config["mesh_devices"]]), ("devices",))
+  trainer = make_trainer(workdir, learning_rate=rate, mesh=mesh,
                          save_every=config.get("save_every"), incremental=incremental)
   data = local_batches(trainer, make_batches(config["batches"], config["seed"]))
   if config.get("short") == process:
     data = data[:-1]
+  if config.get("empty") == process:
+    data = []
   history = trainer.fit(data, num_steps=config.get("num_steps"),
                         callbacks=[Inject(config, process, config["out"])])
   result = {"losses": [m["loss"] for m in history.metrics], "final_step": history.final_step,

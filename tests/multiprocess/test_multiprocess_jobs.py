@@ -254,6 +254,35 @@ def test_processes_that_disagree_fail_naming_the_difference(tmp_path):
   assert all(outcome.returncode not in (0, None) for outcome in outcomes), describe(outcomes)
 
 
+def test_processes_with_workdirs_they_do_not_share_fail_naming_them(tmp_path):
+  """Each process writes its part of every checkpoint in the workdir: directories that are
+  not shared would leave the first save waiting forever for the other parts."""
+  own = [str(tmp_path / "host0"), str(tmp_path / "host1")]
+  outcomes = run_failing(tmp_path, workdir=own, stop_at=2)
+  named = [outcome for outcome in outcomes
+           if f"processes [1] do not reach the workdir of process 0 ({own[0]!r})" in outcome.stderr
+           and f"in its workdir {own[1]!r}" in outcome.stderr]
+  assert len(named) == len(outcomes), describe(outcomes)
+  assert all(outcome.returncode not in (0, None) for outcome in outcomes), describe(outcomes)
+  assert [p.name for p in (tmp_path / "host0").iterdir()] == []  # the marker is removed
+
+
+def test_a_workdir_on_one_process_only_fails_naming_it(tmp_path):
+  outcomes = run_failing(tmp_path, workdir=[str(tmp_path / "workdir"), None], stop_at=2)
+  named = [outcome for outcome in outcomes
+           if "processes disagree on the trainer setup: process 0 has workdir given = True but"
+              " process 1 has False" in outcome.stderr]
+  assert len(named) == len(outcomes), describe(outcomes)
+  assert all(outcome.returncode not in (0, None) for outcome in outcomes), describe(outcomes)
+
+
+def test_a_mesh_without_the_devices_of_a_process_fails_naming_it(tmp_path):
+  outcomes = run_failing(tmp_path, mesh_devices=4)  # process 0's devices only
+  assert "process 1 has no device on mesh axis 'devices' (the mesh's devices belong to" \
+         " processes [0])" in outcomes[1].stderr, describe(outcomes)
+  assert all(outcome.returncode not in (0, None) for outcome in outcomes), describe(outcomes)
+
+
 @pytest.mark.skipif(not cpu_kernels_available(), reason="needs the C++ CPU kernels")
 def test_processes_that_choose_different_backends_fail_naming_them(tmp_path):
   """A host without the built kernels picks the portable backend under "auto";
@@ -283,6 +312,16 @@ def test_the_data_ends_for_all_when_one_process_has_fewer_batches(tmp_path):
   for process in (0, 1):
     assert history(tmp_path, process)["final_step"] == BATCHES - 1
   assert "process 0: another process's data ended" in outcomes[0].stderr
+
+
+def test_the_data_ends_for_all_when_one_process_has_no_batches(tmp_path):
+  """A process without a batch cannot build: every process stops before building, none
+  waits for it until the distributed timeout and fails."""
+  outcomes = run_failing(tmp_path, empty=1)
+  assert [o.returncode for o in outcomes] == [0, 0], describe(outcomes)
+  for process in (0, 1):
+    assert history(tmp_path, process)["final_step"] == 0
+  assert "process 0: the data of processes [1] holds no batch" in outcomes[0].stderr
 
 
 def test_a_job_whose_processes_do_not_all_start_fails_at_start_up(tmp_path):
