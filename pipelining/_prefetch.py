@@ -12,14 +12,18 @@ Guarantees:
   * an exception raised by the iterator or by `prepare` is re-raised in the
     consumer, with its original traceback, when the consumer reaches it;
   * the end of the data is a clean StopIteration; `close()` stops the thread
-    without hanging even if the consumer stops early.
+    without hanging even if the consumer stops early;
+  * `close_and_keep()` also returns what was taken from the iterator but not
+    handed out (a `Remainder`), so that a later Prefetcher on the same
+    iterator continues exactly where the consumer stopped: no batch is lost.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterator
+import collections
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 
@@ -45,6 +49,22 @@ class _Failure(NamedTuple):
 _END = object()
 
 
+class Remainder(NamedTuple):
+  """What a stopped Prefetcher took from its iterator but did not hand out.
+
+  Attributes:
+    items: in order: prepared batches, then possibly the end of the data or
+      the iterator's failure, to be reported by the next Prefetcher.
+  """
+
+  items: tuple[Any, ...]
+
+  @property
+  def at_end(self) -> bool:
+    """Whether nothing is left: the next item is the end of the data."""
+    return bool(self.items) and self.items[0] is _END
+
+
 class Prefetcher:
   """Iterates prepared batches produced by a background thread.
 
@@ -53,7 +73,10 @@ class Prefetcher:
     prepare: (raw batch, its index) -> prepared batch (runs on the
       background thread; the index lets its errors name the batch).
     depth: the most prepared batches held at once (>= 1).
-    start_index: the index of the first batch (for resumed streams).
+    start_index: the index of the first batch pulled from `iterator` (for
+      resumed streams).
+    remainder: `Remainder.items` of an earlier Prefetcher on the same
+      iterator, handed out first.
   """
 
   def __init__(
@@ -63,16 +86,22 @@ class Prefetcher:
       *,
       depth: int = 2,
       start_index: int = 0,
+      remainder: Sequence[Any] = (),
   ):
     if depth < 1:
       raise ValueError(f"prefetch depth must be >= 1, got {depth}.")
     self._iterator = iterator
     self._prepare = prepare
+    self._remainder = collections.deque(remainder)
     self._queue: queue.Queue = queue.Queue(maxsize=depth)
     self._stop = threading.Event()
     self._index = start_index
     self._finished = False
+    self._unplaced: list[Any] = []  # an item the thread could not queue before stopping
+    ended = any(item is _END or isinstance(item, _Failure) for item in self._remainder)
     self._thread = threading.Thread(target=self._run, name="sc-prefetch", daemon=True)
+    if ended:  # the iterator has nothing more to give
+      self._stop.set()
     self._thread.start()
 
   def _put(self, item) -> bool:
@@ -82,6 +111,7 @@ class Prefetcher:
         return True
       except queue.Full:
         continue
+    self._unplaced.append(item)
     return False
 
   def _run(self) -> None:
@@ -92,7 +122,8 @@ class Prefetcher:
         try:
           raw = next(self._iterator)
         except StopIteration:
-          break
+          self._put(_END)
+          return
         position = get_state() if callable(get_state) else None
         prepared = Prepared(index, self._prepare(raw, index), position)
         index += 1
@@ -100,8 +131,12 @@ class Prefetcher:
           return
     except BaseException as error:  # surfaced to the consumer, never lost
       self._put(_Failure(error))
-      return
-    self._put(_END)
+    # Stopped (close): the iterator may hold more; nothing marks an end.
+
+  @property
+  def iterator(self) -> Iterator[Any]:
+    """The iterator the batches are taken from."""
+    return self._iterator
 
   def __iter__(self) -> "Prefetcher":
     return self
@@ -109,6 +144,8 @@ class Prefetcher:
   def __next__(self) -> Prepared:
     if self._finished:
       raise StopIteration
+    if self._remainder:
+      return self._handed_out(self._remainder.popleft())
     while True:
       try:
         item = self._queue.get(timeout=0.1)
@@ -117,6 +154,9 @@ class Prefetcher:
         if not self._thread.is_alive() and self._queue.empty():
           self._finished = True
           raise RuntimeError("the prefetch thread stopped without reporting; this is a bug.")
+    return self._handed_out(item)
+
+  def _handed_out(self, item) -> Prepared:
     if item is _END:
       self._finished = True
       raise StopIteration
@@ -129,6 +169,26 @@ class Prefetcher:
     """Stops the background thread (pending prepared batches are discarded)."""
     self._stop.set()
     self._thread.join(timeout=10)
+
+  def close_and_keep(self) -> Remainder | None:
+    """Stops the thread; returns what it took from the iterator and did not hand out.
+
+    None when the thread did not stop in time (it is still inside the
+    iterator, which then cannot be handed to another Prefetcher).
+    """
+    self.close()
+    if self._thread.is_alive():
+      return None
+    items = list(self._remainder)
+    while True:
+      try:
+        items.append(self._queue.get_nowait())
+      except queue.Empty:
+        break
+    items.extend(self._unplaced)
+    if self._finished:
+      items = [_END]  # the consumer saw the end (or a failure) already
+    return Remainder(tuple(items))
 
   def __enter__(self) -> "Prefetcher":
     return self

@@ -8,7 +8,7 @@ import logging
 import re
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +46,7 @@ from pipelining._in_flight import (
 from pipelining._metrics import evaluation_auc
 from pipelining._model import DenseModel, as_dense_model
 from pipelining._placement import any_process, global_batch, to_global, to_host
-from pipelining._prefetch import Prefetcher, Prepared
+from pipelining._prefetch import Prefetcher, Prepared, Remainder
 from pipelining._progress import Progress, describe_run
 from pipelining._signals import install_stop_handlers, restore_handlers
 from pipelining._steps import DeviceBatch, InFlight, StepFunctions, TrainState
@@ -72,6 +72,15 @@ _LOG = logging.getLogger("pipelining")
 
 _SAME_STEPS = ("Every process must feed the same number of batches (its slice of each global"
                " batch) and stop at the same step.")
+
+
+class _CarriedStream(NamedTuple):
+  """The data stream of a fit that stopped before its data ended (`Trainer._carry_of`)."""
+
+  data: Iterable[Any]  # the train_data the fit was given (compared by identity)
+  epochs: int | None
+  stream: DataStream
+  remainder: Remainder
 
 
 class Trainer:
@@ -158,6 +167,11 @@ class Trainer:
     # (and the in-flight batch) where it stopped. A completed fit reads new
     # data from its start.
     self._continue_data = False
+    # After a fit that stopped before its data ended (num_steps, a stop
+    # request): its data, stream and the batches taken but not applied, so a
+    # fit on the same data continues the stream exactly (`_carried_stream`).
+    self._carry: _CarriedStream | None = None
+    self._data_ended = False  # in the current fit (`_next`)
     # The checkpoint step whose train state evaluate or predict adopted
     # without its in-flight batch and data position: fit still resumes it.
     self._state_only_from: int | None = None
@@ -444,7 +458,12 @@ class Trainer:
     `history.interrupted = True`; the next fit continues bit for bit.
 
     Args:
-      train_data: an iterable of batches (see `pipelining._data`).
+      train_data: an iterable of batches (see `pipelining._data`). After a
+        fit that stopped before its data ended (num_steps, a stop request),
+        a fit given the same object continues its stream where it stopped,
+        the batches already taken from it first: fits in chunks on the same
+        data equal one fit, also for a one-shot iterator. Other data starts
+        from its beginning; after its end, the same data does too.
       num_steps: the total number of updates to reach (counting resumed
         ones); None trains until the data (all epochs) ends.
       epochs: passes over train_data; None is one pass.
@@ -528,6 +547,7 @@ class Trainer:
       self._save(self._loop, callbacks)
       self._wait_for_saves()
       history.final_step = step
+      self._carry = self._carry_of(train_data, epochs, prefetcher)
       return history
     except BaseException:
       self._finish_saves_after_error()
@@ -547,14 +567,41 @@ class Trainer:
 
   def _open_data(self, train_data: Iterable[Any], epochs: int | None) -> Prefetcher:
     """The prefetched stream of staged batches, from where the data stands."""
-    position = self._data_position()
-    stream = DataStream(
-        train_data, epochs=epochs,
-        batches_consumed=position.get("batches_consumed", 0),
-        position=position.get("position"), epoch=position.get("epoch", 0),
-    )
+    self._data_ended = False
+    carry, self._carry = self._carry, None
+    if (carry is not None and carry.data is train_data and carry.epochs == epochs
+        and self._loop is not None and self._resume_step() is None):
+      stream, remainder = carry.stream, carry.remainder.items
+    else:
+      position = self._data_position()
+      stream = DataStream(
+          train_data, epochs=epochs,
+          batches_consumed=position.get("batches_consumed", 0),
+          position=position.get("position"), epoch=position.get("epoch", 0),
+      )
+      remainder = ()
     return Prefetcher(stream, self._stage_for_training, depth=self.config.prefetch_depth,
-                      start_index=stream.batches_consumed)
+                      start_index=stream.batches_consumed, remainder=remainder)
+
+  def _carry_of(self, train_data: Iterable[Any], epochs: int | None,
+                prefetcher: Prefetcher) -> _CarriedStream | None:
+    """What a fit on the same data continues from, after a fit that stopped early.
+
+    A fit that stopped before its data ended (at num_steps, or on a stop
+    request) has taken batches from the data that it did not apply: the
+    prefetched ones (and, pipelined, the one in flight, kept in the loop
+    state). A later fit given the same data object continues that stream
+    with them, as one uninterrupted fit would, and as a new Trainer
+    resuming the final checkpoint does; a one-shot iterator loses nothing.
+    Every process carries its stream, or none does.
+    """
+    remainder = prefetcher.close_and_keep()
+    ok = remainder is not None and not self._data_ended and not remainder.at_end
+    if jax.process_count() > 1:
+      ok = all(allgather_json("fit carries its data stream", ok))
+    if not ok:
+      return None
+    return _CarriedStream(train_data, epochs, prefetcher.iterator, remainder)
 
   def _start(self, first: Prepared | None, train_data: Iterable[Any], history: History) -> bool:
     """Builds the steps and restores the latest checkpoint; False when there is nothing to fit."""
@@ -661,11 +708,13 @@ class Trainer:
       prepared = next(prefetcher)
     except StopIteration:
       prepared = None
-    if self._any_process(prepared is None)[0] and prepared is not None:
-      _LOG.warning(
-          "process %d: another process's data ended before this process's; the global batches"
-          " end there and this process's remaining batches are not used. Give every process"
-          " the same number of batches.", jax.process_index())
+    if self._any_process(prepared is None)[0]:
+      self._data_ended = True
+      if prepared is not None:
+        _LOG.warning(
+            "process %d: another process's data ended before this process's; the global"
+            " batches end there and this process's remaining batches are not used. Give every"
+            " process the same number of batches.", jax.process_index())
       return None
     return prepared
 

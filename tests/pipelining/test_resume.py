@@ -173,6 +173,27 @@ def test_num_steps_below_the_resumed_step_warns_that_nothing_is_trained(tmp_path
   assert "fit(num_steps=2) trains nothing: the state is already at step 4" in caplog.text
 
 
+@pytest.mark.parametrize("pipelining", [True, False])
+@pytest.mark.parametrize("one_shot", [True, False])
+def test_fits_in_chunks_on_one_trainer_equal_one_fit(pipelining, one_shot):
+  """fit(data, num_steps=k) again and again on the same data continues its stream.
+
+  The batches the stopped fit prefetched (and, pipelined, the one in flight)
+  are applied next, so no batch of a one-shot iterator is lost and a list is
+  not restarted: the chunks equal one fit, bit for bit.
+  """
+  batches = make_batches(11, seed=84)
+  data = iter(batches) if one_shot else batches
+  chunked = make_trainer(None, pipelining)
+  finals = [chunked.fit(data, num_steps=total).final_step for total in (3, 4, 8)]
+  history = chunked.fit(data)
+  assert finals == [3, 4, 8] and history.final_step == 11
+  assert len(history.steps) == 3
+  reference = make_trainer(None, pipelining)
+  reference.fit(batches)
+  assert_same_run(chunked, reference)
+
+
 @pytest.mark.parametrize("num_steps", [3, 4, 5])
 def test_a_synchronous_fit_resuming_a_pipelined_checkpoint_stops_at_num_steps(tmp_path, num_steps):
   """The in-flight batch of a pipelined checkpoint counts toward num_steps."""
