@@ -148,16 +148,16 @@ def _verify(args: argparse.Namespace) -> int:
   problems = adopt_step(args.path) if args.adopt else verify(args.path)
   for problem in problems:
     label = "ERROR" if problem.severity == "error" else "WARNING"
-    print(f"{label} {problem}")
+    _print_out(f"{label} {problem}")
   failed = sum(problem.severity == "error" for problem in problems)
-  print(f"{args.path}: {failed} errors, {len(problems) - failed} warnings")
+  _print_out(f"{args.path}: {failed} errors, {len(problems) - failed} warnings")
   unmanifested = sorted({
       str(problem.path.parent) for problem in problems
       if problem.severity == "error" and problem.path.name == INTEGRITY_FILE
       and not problem.path.exists() and not args.adopt
   })
   for step in unmanifested:
-    print(f"{step} has no {INTEGRITY_FILE}: if an older version wrote it (before integrity"
+    _print_out(f"{step} has no {INTEGRITY_FILE}: if an older version wrote it (before integrity"
           f" manifests) rather than a partial copy, `sc-checkpoint verify --adopt {step}` checks"
           " what can be checked and gives it one.")
   return 1 if failed else 0
@@ -288,7 +288,7 @@ def _inspect(args: argparse.Namespace) -> int:
     info = inspect(path)
   except NotACheckpointError as error:
     raise NotACheckpointError(f"{error}{_not_a_checkpoint_hint(path)}") from None
-  print(json.dumps(info, indent=1) if args.json else format_description(info))
+  _print_out(json.dumps(info, indent=1) if args.json else format_description(info))
   return 0
 
 
@@ -357,18 +357,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     with warnings.catch_warnings():
       warnings.showwarning = functools.partial(_show_warning, args.command)
       return _COMMANDS[args.command](args)
-  except BrokenPipeError:
+  except _StdoutClosed:
     # The reader of stdout stopped (`inspect ... | head`): not an error of ours.
-    # Further writes to the closed pipe (at exit) go to /dev/null instead.
+    # Python's final flush of the dead pipe goes to /dev/null instead.
     try:
       os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     except (OSError, ValueError):
-      pass  # stdout is no file (an embedding program's stream): nothing is flushed to it.
+      pass  # stdout is no file (an embedding program's stream): nothing to redirect.
     return 0
   except (CheckpointError, ValueError, TypeError, KeyError, FileExistsError, OSError) as error:
     message = error.args[0] if isinstance(error, KeyError) and error.args else error
     print(f"sc-checkpoint {args.command}: error: {_one_line(str(message))}", file=sys.stderr)
     return 1
+
+
+class _StdoutClosed(Exception):
+  """The reader of stdout went away (a closed pipe)."""
+
+
+def _print_out(text: str) -> None:
+  """Prints a result on stdout; _StdoutClosed when its reader has gone away."""
+  try:
+    print(text, flush=True)
+  except BrokenPipeError as error:
+    raise _StdoutClosed() from error
 
 
 def _show_warning(command: str, message, category, filename, lineno, file=None, line=None):

@@ -292,6 +292,18 @@ def test_inspect_into_a_closed_pipe_exits_quietly(saved):
   assert done.returncode == 0 and done.stderr == "", done.stderr
 
 
+def test_a_broken_pipe_that_is_not_stdout_is_an_error(saved, tmp_path, monkeypatch, capsys):
+  """Only a closed stdout is quiet: a storage connection's broken pipe fails the command."""
+  _, _, root = saved
+
+  def broken_storage(*args, **kwargs):
+    raise BrokenPipeError(32, "Broken pipe to the storage server")
+
+  monkeypatch.setattr("checkpoint.cli.convert", broken_storage)
+  assert main(["convert", str(root / "3"), str(tmp_path / "x"), "--unstacked", "--quiet"]) == 1
+  assert "error: [Errno 32] Broken pipe to the storage server" in capsys.readouterr().err
+
+
 def test_verify_of_a_step_without_manifest_points_at_adopt(saved, capsys):
   _, _, root = saved
   (root / "3" / "integrity.json").unlink()
