@@ -51,10 +51,12 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import json
 import os
+import socket
 import warnings
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -76,8 +78,9 @@ ConversionProgress = Callable[[int, int, str], None]
 """progress(bytes_done, bytes_total, what): called after every block written."""
 
 _TMP_SUFFIX = ocp.path.atomicity.TMP_DIR_SUFFIX
-# Written first into a conversion's temporary directory and removed just before
-# it is renamed into place: a temporary directory holding it was left by an
+# Written first into a conversion's temporary directory (the host and process
+# id of the conversion) and removed just before it is renamed into place. A
+# temporary directory holding it whose process has ended was left by an
 # interrupted conversion and may be deleted; one without it is not ours.
 _IN_PROGRESS_MARKER = "CONVERSION_IN_PROGRESS"
 # A directory being replaced (by `convert` with overwrite, or `compact`) is set aside as
@@ -208,23 +211,55 @@ def convert(
 
 
 def _fresh_temporary_directory(dst: epath.Path) -> epath.Path:
-  """Creates `<dst>.orbax-checkpoint-tmp`, marked as a conversion in progress.
+  """Creates `<dst>.orbax-checkpoint-tmp`, marked as this process's conversion.
 
-  A leftover of an interrupted conversion (it holds the marker) is deleted
-  first; any other directory of that name is refused, never deleted.
+  A leftover of an interrupted conversion (marked by a process of this host
+  that has ended) is deleted first; any other directory of that name -- a
+  conversion still running, one of another host, another writer's
+  unfinished step -- is refused, never deleted.
   """
   tmp = dst.parent / (dst.name + _TMP_SUFFIX)
-  if _integrity.is_link(tmp) or (tmp.exists() and not (tmp / _IN_PROGRESS_MARKER).exists()):
-    raise FileExistsError(
-        f"{tmp} exists and was not left by an interrupted conversion (it lacks"
-        f" {_IN_PROGRESS_MARKER}); it may be another writer's unfinished step. Remove or move it"
-        " if nothing is writing it, then convert again."
-    )
-  if tmp.exists():
+  if _integrity.is_link(tmp) or tmp.exists():
+    owner = _conversion_owner(tmp)
+    if owner is None or owner["host"] != socket.gethostname() or _process_alive(owner["pid"]):
+      whose = ("it lacks " + _IN_PROGRESS_MARKER + "; it may be another writer's unfinished step"
+               if owner is None else
+               f"a conversion by process {owner['pid']} on host {owner['host']!r} writes it"
+               " or was interrupted there")
+      raise FileExistsError(
+          f"{tmp} is in the way of the conversion ({whose}). Remove or move it if nothing is"
+          " writing it, then convert again."
+      )
     tmp.rmtree()
   tmp.mkdir(parents=True)
-  (tmp / _IN_PROGRESS_MARKER).write_text("")
+  owner = {"host": socket.gethostname(), "pid": os.getpid()}
+  (tmp / _IN_PROGRESS_MARKER).write_text(json.dumps(owner))
   return tmp
+
+
+def _conversion_owner(tmp: epath.Path) -> dict[str, Any] | None:
+  """The host and pid in a conversion's marker; None without a readable one."""
+  if _integrity.is_link(tmp) or _integrity.is_link(tmp / _IN_PROGRESS_MARKER):
+    return None
+  try:
+    owner = json.loads((tmp / _IN_PROGRESS_MARKER).read_text())
+  except (OSError, ValueError):
+    return None
+  if not (isinstance(owner, dict) and isinstance(owner.get("host"), str)
+          and isinstance(owner.get("pid"), int)):
+    return None
+  return owner
+
+
+def _process_alive(pid: int) -> bool:
+  """Whether a process of this host has id `pid` (signal 0 checks, sends nothing)."""
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except (PermissionError, OverflowError, ValueError):
+    return True  # Exists under another user, or cannot be checked: assume alive.
+  return True
 
 
 def _put_in_place(tmp: epath.Path, dst: epath.Path) -> None:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
+import socket
+import subprocess
+import sys
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -212,10 +216,34 @@ def test_a_temporary_directory_not_left_by_a_conversion_is_kept_and_refused(tmp_
   foreign = tmp_path / ("b" + ocp.path.atomicity.TMP_DIR_SUFFIX)
   foreign.mkdir()
   (foreign / "data").write_text("someone else's")
-  with pytest.raises(FileExistsError, match="was not left by an interrupted conversion"):
+  with pytest.raises(FileExistsError, match="lacks CONVERSION_IN_PROGRESS; it may be another"):
     ck.convert(tmp_path / "a", tmp_path / "b", layout)
   assert (foreign / "data").read_text() == "someone else's"
   assert not (tmp_path / "b").exists()
+
+
+def _ended_process_id() -> int:
+  """The id of a process of this host that has ended."""
+  child = subprocess.Popen([sys.executable, "-c", "pass"])
+  child.wait()
+  return child.pid
+
+
+def test_a_conversion_still_running_to_the_same_destination_is_not_deleted(tmp_path):
+  """A second conversion to the same destination refuses, naming the first's process."""
+  model, layout = _saved(tmp_path / "a")
+  target = ck.relayout(layout, num_devices=2, shards_per_device=1)
+  seen = []
+
+  def convert_again(done, total, what):
+    if not seen:
+      seen.append(True)
+      with pytest.raises(FileExistsError, match=rf"by process {os.getpid()} on host"):
+        ck.convert(tmp_path / "a", tmp_path / "b", target, overwrite=True)
+
+  ck.convert(tmp_path / "a", tmp_path / "b", target, progress=convert_again)
+  assert seen
+  _check_tables(model, tmp_path / "b")
 
 
 @pytest.mark.parametrize("whole_step", [False, True])
@@ -233,7 +261,8 @@ def test_the_leftover_of_an_interrupted_conversion_is_replaced(tmp_path, whole_s
     src, dst, item = tmp_path / "a", tmp_path / "b", None
   leftover = dst.parent / (dst.name + ocp.path.atomicity.TMP_DIR_SUFFIX)
   leftover.mkdir(parents=True)
-  (leftover / "CONVERSION_IN_PROGRESS").write_text("")
+  (leftover / "CONVERSION_IN_PROGRESS").write_text(
+      json.dumps({"host": socket.gethostname(), "pid": _ended_process_id()}))
   (leftover / "half_written_chunk").write_text("x")
   target = ck.relayout(layout, num_devices=2, shards_per_device=1)
   ck.convert(src, dst, target)
