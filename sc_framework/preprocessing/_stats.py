@@ -49,7 +49,10 @@ class PartitionOverflowError(ValueError):
 
   def __init__(self, finding: str, stack: str, needed: StackCapacity, advice: str):
     super().__init__(f"{finding} {advice}")
-    self.finding, self.stack, self.needed = finding, stack, needed
+    self.finding, self.stack, self.needed, self.advice = finding, stack, needed, advice
+
+  def __reduce__(self):  # pickle and copy (e.g. from a data loader's worker process)
+    return type(self), (self.finding, self.stack, self.needed, self.advice)
 
   def with_advice(self, advice: str) -> PartitionOverflowError:
     """The same finding with other advice (for a caller with other options)."""

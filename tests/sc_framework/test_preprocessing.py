@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import pickle
 import zlib
 
 import numpy as np
@@ -674,6 +675,8 @@ def test_overflow_raises_with_a_clear_message():
   stats = batch_stats(inputs, specs, layout)
   observed = stats["hot__cold"]
   assert info.value.stack == "hot__cold"
+  copied = pickle.loads(pickle.dumps(info.value))  # from a data loader's worker process
+  assert str(copied) == message and copied.needed == info.value.needed
   assert info.value.needed == (observed.max_ids_per_partition,
                                observed.max_unique_ids_per_partition)
   assert "stack 'hot__cold'" in message and "allow_id_dropping=True" in message
