@@ -76,7 +76,9 @@ class Prefetcher:
     start_index: the index of the first batch pulled from `iterator` (for
       resumed streams).
     remainder: `Remainder.items` of an earlier Prefetcher on the same
-      iterator, handed out first.
+      iterator, handed out first; the thread pulls from `iterator` only once
+      they are, so batches taken but not handed out never exceed what one
+      Prefetcher holds (`depth` + 1) or the remainder.
   """
 
   def __init__(
@@ -98,6 +100,9 @@ class Prefetcher:
     self._index = start_index
     self._finished = False
     self._unplaced: list[Any] = []  # an item the thread could not queue before stopping
+    self._remainder_out = threading.Event()  # every remainder item was handed out
+    if not self._remainder:
+      self._remainder_out.set()
     ended = any(item is _END or isinstance(item, _Failure) for item in self._remainder)
     self._thread = threading.Thread(target=self._run, name="sc-prefetch", daemon=True)
     if ended:  # the iterator has nothing more to give
@@ -117,6 +122,9 @@ class Prefetcher:
   def _run(self) -> None:
     get_state = getattr(self._iterator, "get_state", None)
     index = self._index
+    while not self._remainder_out.wait(timeout=0.1):
+      if self._stop.is_set():
+        return
     try:
       while not self._stop.is_set():
         try:
@@ -145,7 +153,10 @@ class Prefetcher:
     if self._finished:
       raise StopIteration
     if self._remainder:
-      return self._handed_out(self._remainder.popleft())
+      item = self._remainder.popleft()
+      if not self._remainder:
+        self._remainder_out.set()
+      return self._handed_out(item)
     while True:
       try:
         item = self._queue.get(timeout=0.1)

@@ -46,10 +46,11 @@ from pipelining._in_flight import (
 from pipelining._metrics import evaluation_auc
 from pipelining._model import DenseModel, as_dense_model
 from pipelining._placement import any_process, global_batch, to_global, to_host
-from pipelining._prefetch import Prefetcher, Prepared, Remainder
+from pipelining._prefetch import Prefetcher, Prepared
 from pipelining._progress import Progress, describe_run
 from pipelining._signals import install_stop_handlers, restore_handlers
 from pipelining._steps import DeviceBatch, InFlight, StepFunctions, TrainState
+from sc_framework._scalars import python_scalar
 from sc_framework.host_allocator import keep_freed_memory
 from sc_framework.preprocessing import PartitionOverflowError, preprocess
 from sc_framework.primitives import (
@@ -80,7 +81,14 @@ class _CarriedStream(NamedTuple):
   data: Iterable[Any]  # the train_data the fit was given (compared by identity)
   epochs: int | None
   stream: DataStream
-  remainder: Remainder
+  remainder: tuple[Any, ...]  # taken from `stream`, not applied: handed out first
+
+
+def _taken_into_loop(prepared: Prepared | None, loop: LoopState | None) -> bool:
+  """Whether the loop took `prepared` (applied it or put it in flight)."""
+  if prepared is None or loop is None:
+    return True
+  return int(loop.data.get("batches_consumed", 0)) > prepared.index
 
 
 class Trainer:
@@ -169,9 +177,8 @@ class Trainer:
     self._continue_data = False
     # After a fit that stopped before its data ended (num_steps, a stop
     # request): its data, stream and the batches taken but not applied, so a
-    # fit on the same data continues the stream exactly (`_carried_stream`).
+    # fit on the same data continues the stream exactly (`_open_data`).
     self._carry: _CarriedStream | None = None
-    self._data_ended = False  # in the current fit (`_next`)
     # The checkpoint step whose train state evaluate or predict adopted
     # without its in-flight batch and data position: fit still resumes it.
     self._state_only_from: int | None = None
@@ -196,7 +203,11 @@ class Trainer:
       check_shared_directory("workdir", self.config.workdir)
       self._checkpoints = TrainerCheckpoints(
           self.config.workdir, self.plan, keep=self.config.keep,
-          incremental=self.config.incremental, unapplied_batches=self.config.prefetch_depth + 3)
+          incremental=self.config.incremental,
+          # Prepared but not applied at once: a fit's queue (depth), one more
+          # held by its thread, the next batch and the one in flight, plus, in a
+          # fit continuing another's stream (`_carry_of`), that fit's remainder.
+          unapplied_batches=2 * self.config.prefetch_depth + 4)
 
   @property
   def state(self) -> TrainState | None:
@@ -255,8 +266,10 @@ class Trainer:
       )
     except PartitionOverflowError as error:  # Its advice names preprocess's options.
       raise error.with_advice(
-          "Raise the tables' max_ids_per_partition / max_unique_ids_per_partition to at least"
-          f" {tuple(error.needed)} (size_limits_from_stats computes them from a few batches),"
+          f"Raise the tables' max_ids_per_partition to at least"
+          f" {error.needed.max_ids_per_partition} and max_unique_ids_per_partition to at least"
+          f" {error.needed.max_unique_ids_per_partition} (size_limits_from_stats computes them"
+          " from a few batches),"
           " or pass allow_id_dropping=True to the Trainer to drop the excess ids"
           " deterministically (counted in trainer.dropped_ids)."
       ) from None
@@ -489,6 +502,7 @@ class Trainer:
         Also eval_every with a one-shot iterator as eval_data.
       TypeError: a batch that is not a dict.
     """
+    num_steps, epochs, eval_every = (python_scalar(v) for v in (num_steps, epochs, eval_every))
     check_count("num_steps", num_steps, minimum=0, optional=True)
     check_count("eval_every", eval_every, minimum=1, optional=True)
     if eval_every is not None and eval_data is None:
@@ -504,11 +518,19 @@ class Trainer:
     dropped_before = self._dropped_ids
     self._stop.clear()
     self._stop_requested.clear()
-    prefetcher = self._open_data(train_data, epochs)
+    prefetcher, continued = self._open_data(train_data, epochs)
+    data_ended = False
+
+    def next_batch() -> Prepared | None:
+      nonlocal data_ended
+      prepared = self._next(prefetcher)
+      data_ended = data_ended or prepared is None
+      return prepared
+
     previous_handlers = install_stop_handlers(self._stop_requested)
     progress = None
     try:
-      first = self._next(prefetcher)
+      first = next_batch()
       if not self._start(first, train_data, history):
         history.final_step = 0 if self.state is None else int(self.state.step)
         return history
@@ -516,6 +538,7 @@ class Trainer:
           "num_steps": num_steps, "epochs": epochs, "eval_every": eval_every,
           "eval_data": eval_data is not None, "step": int(self.state.step),
           "in_flight": self._loop.in_flight is not None, "resumed_from": history.resumed_from,
+          "continues the data stream of the last fit": continued,
       }, hint=_SAME_STEPS)
       if num_steps is not None and int(self.state.step) > num_steps:
         _LOG.warning(
@@ -531,7 +554,7 @@ class Trainer:
       for callback in callbacks:
         callback.on_fit_start(self, int(self.state.step))
       end = self._step_end(history, progress, callbacks, eval_data, eval_every)
-      schedule = Schedule(self._steps, lambda: self._next(prefetcher), self._stopping, num_steps)
+      schedule = Schedule(self._steps, next_batch, self._stopping, num_steps)
       steps = pipelined_steps if self.config.pipelining else sync_steps
       for result in steps(schedule, self._loop, first):
         self._loop = result.state
@@ -547,7 +570,9 @@ class Trainer:
       self._save(self._loop, callbacks)
       self._wait_for_saves()
       history.final_step = step
-      self._carry = self._carry_of(train_data, epochs, prefetcher)
+      unapplied = () if data_ended or _taken_into_loop(first, self._loop) else (first,)
+      self._carry = None if data_ended else self._carry_of(train_data, epochs, prefetcher,
+                                                            unapplied)
       return history
     except BaseException:
       self._finish_saves_after_error()
@@ -565,13 +590,19 @@ class Trainer:
       finally:
         restore_handlers(previous_handlers)
 
-  def _open_data(self, train_data: Iterable[Any], epochs: int | None) -> Prefetcher:
-    """The prefetched stream of staged batches, from where the data stands."""
-    self._data_ended = False
+  def _open_data(self, train_data: Iterable[Any],
+                 epochs: int | None) -> tuple[Prefetcher, bool]:
+    """The prefetched stream of staged batches, from where the data stands.
+
+    Returns it and whether it continues the stream of the last fit (see
+    `_carry_of`): the same data object, after a fit that stopped before its
+    data ended, and no newer checkpoint to resume.
+    """
     carry, self._carry = self._carry, None
-    if (carry is not None and carry.data is train_data and carry.epochs == epochs
-        and self._loop is not None and self._resume_step() is None):
-      stream, remainder = carry.stream, carry.remainder.items
+    continued = (carry is not None and carry.data is train_data and carry.epochs == epochs
+                 and self._loop is not None and self._resume_step() is None)
+    if continued:
+      stream, remainder = carry.stream, carry.remainder
     else:
       position = self._data_position()
       stream = DataStream(
@@ -580,31 +611,42 @@ class Trainer:
           position=position.get("position"), epoch=position.get("epoch", 0),
       )
       remainder = ()
-    return Prefetcher(stream, self._stage_for_training, depth=self.config.prefetch_depth,
-                      start_index=stream.batches_consumed, remainder=remainder)
+    prefetcher = Prefetcher(stream, self._stage_for_training, depth=self.config.prefetch_depth,
+                            start_index=stream.batches_consumed, remainder=remainder)
+    return prefetcher, continued
 
-  def _carry_of(self, train_data: Iterable[Any], epochs: int | None,
-                prefetcher: Prefetcher) -> _CarriedStream | None:
+  def _carry_of(self, train_data: Iterable[Any], epochs: int | None, prefetcher: Prefetcher,
+                unapplied: tuple[Prepared, ...]) -> _CarriedStream | None:
     """What a fit on the same data continues from, after a fit that stopped early.
 
     A fit that stopped before its data ended (at num_steps, or on a stop
-    request) has taken batches from the data that it did not apply: the
-    prefetched ones (and, pipelined, the one in flight, kept in the loop
-    state). A later fit given the same data object continues that stream
-    with them, as one uninterrupted fit would, and as a new Trainer
-    resuming the final checkpoint does; a one-shot iterator loses nothing.
-    Every process carries its stream, or none does.
+    request) has taken batches from the data that it did not apply:
+    `unapplied` (its first batch, when it trained nothing), the prefetched
+    ones, and, pipelined, the one in flight (kept in the loop state). A
+    later fit given the same data object continues that stream with them, as
+    one uninterrupted fit would and as a new Trainer resuming the final
+    checkpoint does: a one-shot iterator loses nothing, a list does not
+    start over. Every process carries its stream, or none does.
     """
     remainder = prefetcher.close_and_keep()
-    ok = remainder is not None and not self._data_ended and not remainder.at_end
+    if remainder is None:
+      _LOG.warning(
+          "the data iterator did not return within 10 s after fit stopped; a later fit cannot"
+          " continue its stream and starts the data anew (a one-shot iterator may then lose"
+          " batches).")
+    ok = remainder is not None
     if jax.process_count() > 1:
       ok = all(allgather_json("fit carries its data stream", ok))
     if not ok:
       return None
-    return _CarriedStream(train_data, epochs, prefetcher.iterator, remainder)
+    return _CarriedStream(train_data, epochs, prefetcher.iterator,
+                          unapplied + remainder.items)
 
   def _start(self, first: Prepared | None, train_data: Iterable[Any], history: History) -> bool:
     """Builds the steps and restores the latest checkpoint; False when there is nothing to fit."""
+    if (first is None and self._loop is not None and self._loop.in_flight is not None
+        and self._resume_step() is None):
+      return True  # No new batch, but the one in flight is still to be applied (drained).
     example = first.batch.batch if first is not None else self._example_batch(train_data)
     if first is None and not self._every_process_has(example):
       return False
@@ -708,13 +750,11 @@ class Trainer:
       prepared = next(prefetcher)
     except StopIteration:
       prepared = None
-    if self._any_process(prepared is None)[0]:
-      self._data_ended = True
-      if prepared is not None:
-        _LOG.warning(
-            "process %d: another process's data ended before this process's; the global"
-            " batches end there and this process's remaining batches are not used. Give every"
-            " process the same number of batches.", jax.process_index())
+    if self._any_process(prepared is None)[0] and prepared is not None:
+      _LOG.warning(
+          "process %d: another process's data ended before this process's; the global batches"
+          " end there and this process's remaining batches are not used. Give every process"
+          " the same number of batches.", jax.process_index())
       return None
     return prepared
 

@@ -56,3 +56,23 @@ def test_delta_steps_equal_full_steps_and_resume_exactly(tmp_path, pipelining):
     assert_same_bits(last.tables[name], np.asarray(table))
   chain = ck.inspect(tmp_path / "delta" / "checkpoints" / "8")["embedding"]["chain"]
   assert chain[-1]["kind"] == "delta"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_fits_in_chunks_save_deltas_that_hold_every_update(tmp_path, seed):
+  """A fit continuing another's stream has more batches prepared but not applied.
+
+  Their rows must still reach the next delta: every step of the chain equals
+  the same step of full saves, and the last restores one fit's tables.
+  """
+  batches = make_batches(14, seed=90 + seed)
+  policy = ck.IncrementalPolicy(full_every=100, max_delta_share=1.0)
+  chunked = make_trainer(tmp_path / "delta", True, policy)
+  for total in (3, 6, None):
+    chunked.fit(batches, num_steps=total)
+  full = make_trainer(tmp_path / "full", True, None)
+  full.fit(batches)
+  for step in range(5, 15):  # the steps that keep=10 leaves
+    delta, whole = _tables(tmp_path / "delta", step), _tables(tmp_path / "full", step)
+    for name, table in whole.tables.items():
+      assert_same_bits(delta.tables[name], table)

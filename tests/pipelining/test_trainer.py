@@ -327,7 +327,8 @@ def test_an_overflow_gives_advice_the_trainer_can_follow():
   trainer = Trainer(LinearHead(), _tight_specs(), mse, optax.sgd(DENSE_LR), mesh=mesh_of(1),
                     progress="off", padding_id=-1)
   with pytest.raises(PartitionOverflowError, match=r"partition overflow in stack .* to at least"
-                     r" \(\d+, \d+\) .* allow_id_dropping=True to the Trainer") as error:
+                     r" \d+ and max_unique_ids_per_partition to at least \d+ .*"
+                     r" allow_id_dropping=True to the Trainer") as error:
     trainer.fit(make_batches(2, seed=40))
   assert "capacities=" not in str(error.value)
   assert error.value.__notes__ == ["(in batch 0 of the training data)"]
