@@ -160,16 +160,19 @@ def sync_steps(schedule: Schedule, state: LoopState,
     state = LoopState(train, None, None, state.data)
     yield StepResult(state, metrics, index)
     step = int(state.train.step)
-  while pending is not None and not schedule.should_stop():
-    if schedule.reached(step):
-      break
+  if pending is None or schedule.should_stop() or schedule.reached(step):
+    return
+  while True:
     train, metrics = schedule.steps.sync(state.train, pending.batch.batch)
     state = LoopState(train, None, None, _advanced(state.data, pending))
     yield StepResult(state, metrics, pending.index)
     step = int(state.train.step)
-    if schedule.reached(step):
-      break
+    # Before taking the next batch: a stopped run leaves it in the stream.
+    if schedule.reached(step) or schedule.should_stop():
+      return
     pending = schedule.next_batch()
+    if pending is None:
+      return
 
 
 def pipelined_steps(schedule: Schedule, state: LoopState,

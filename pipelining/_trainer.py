@@ -75,20 +75,18 @@ _SAME_STEPS = ("Every process must feed the same number of batches (its slice of
                " batch) and stop at the same step.")
 
 
+def _epoch_count(epochs: int | None) -> int:
+  """fit's `epochs` as a count (None is one pass)."""
+  return 1 if epochs is None else epochs
+
+
 class _CarriedStream(NamedTuple):
   """The data stream of a fit that stopped before its data ended (`Trainer._carry_of`)."""
 
   data: Iterable[Any]  # the train_data the fit was given (compared by identity)
-  epochs: int | None
+  epochs: int
   stream: DataStream
   remainder: tuple[Any, ...]  # taken from `stream`, not applied: handed out first
-
-
-def _taken_into_loop(prepared: Prepared | None, loop: LoopState | None) -> bool:
-  """Whether the loop took `prepared` (applied it or put it in flight)."""
-  if prepared is None or loop is None:
-    return True
-  return int(loop.data.get("batches_consumed", 0)) > prepared.index
 
 
 class Trainer:
@@ -171,9 +169,10 @@ class Trainer:
     # The fit loop's state (train state, in-flight batch, data position);
     # fit assigns it after every step.
     self._loop: LoopState | None = None
-    # True after an interrupted fit: the next fit continues the data stream
-    # (and the in-flight batch) where it stopped. A completed fit reads new
-    # data from its start.
+    # True after an interrupted fit (a stop request) whose data did not end:
+    # the next fit, if given another object of the same data, skips the
+    # batches consumed (the same object continues through `_carry`). Any
+    # other fit reads new data from its start. Each fit consumes it.
     self._continue_data = False
     # After a fit that stopped before its data ended (num_steps, a stop
     # request): its data, stream and the batches taken but not applied, so a
@@ -534,6 +533,7 @@ class Trainer:
       if not self._start(first, train_data, history):
         history.final_step = 0 if self.state is None else int(self.state.step)
         return history
+      data_at_start = self._loop.data  # a batch the loop takes replaces it (`_taken`)
       check_agreement("fit arguments", {
           "num_steps": num_steps, "epochs": epochs, "eval_every": eval_every,
           "eval_data": eval_data is not None, "step": int(self.state.step),
@@ -563,14 +563,15 @@ class Trainer:
       history.interrupted = self._stopping()
       check_agreement("end of fit", {"step": step, "interrupted": history.interrupted},
                       hint=_SAME_STEPS)
-      self._continue_data = history.interrupted
+      self._continue_data = history.interrupted and not data_ended
       evaluated = bool(history.evaluations) and history.evaluations[-1][0] == step
       if not history.interrupted and eval_data is not None and not evaluated:
         end.evaluation(step)
       self._save(self._loop, callbacks)
       self._wait_for_saves()
       history.final_step = step
-      unapplied = () if data_ended or _taken_into_loop(first, self._loop) else (first,)
+      first_taken = first is None or self._loop.data is not data_at_start
+      unapplied = () if data_ended or first_taken else (first,)
       self._carry = None if data_ended else self._carry_of(train_data, epochs, prefetcher,
                                                             unapplied)
       return history
@@ -599,12 +600,14 @@ class Trainer:
     data ended, and no newer checkpoint to resume.
     """
     carry, self._carry = self._carry, None
-    continued = (carry is not None and carry.data is train_data and carry.epochs == epochs
+    continue_data, self._continue_data = self._continue_data, False
+    continued = (carry is not None and carry.data is train_data
+                 and carry.epochs == _epoch_count(epochs)
                  and self._loop is not None and self._resume_step() is None)
     if continued:
       stream, remainder = carry.stream, carry.remainder
     else:
-      position = self._data_position()
+      position = self._data_position(continue_data)
       stream = DataStream(
           train_data, epochs=epochs,
           batches_consumed=position.get("batches_consumed", 0),
@@ -639,7 +642,7 @@ class Trainer:
       ok = all(allgather_json("fit carries its data stream", ok))
     if not ok:
       return None
-    return _CarriedStream(train_data, epochs, prefetcher.iterator,
+    return _CarriedStream(train_data, _epoch_count(epochs), prefetcher.iterator,
                           unapplied + remainder.items)
 
   def _start(self, first: Prepared | None, train_data: Iterable[Any], history: History) -> bool:
@@ -709,9 +712,9 @@ class Trainer:
     raw = next(iterator, None)
     return None if raw is None else self.prepare(raw)
 
-  def _data_position(self) -> dict[str, Any]:
+  def _data_position(self, after_interruption: bool) -> dict[str, Any]:
     """Where fit's data starts: after an interruption, or in a newer checkpoint, or at 0."""
-    if self._continue_data and self._loop is not None:
+    if after_interruption and self._loop is not None:
       return dict(self._loop.data)
     step = self._resume_step()
     if step is None:

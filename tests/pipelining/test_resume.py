@@ -192,11 +192,37 @@ def test_fits_in_chunks_on_one_trainer_equal_one_fit(pipelining, one_shot):
   # nothing (3 again) and one that stops with the data's last batch in flight.
   finals = [chunked.fit(data, num_steps=total, eval_data=held_out).final_step
             for total in (3, 3, 4, 10)]
-  history = chunked.fit(data)
+  history = chunked.fit(data, epochs=1)  # the same single pass as epochs=None
   assert finals == [3, 3, 4, 10] and history.final_step == 11
   assert len(history.steps) == 1
   reference = make_trainer(None, pipelining)
   reference.fit(batches)
+  assert_same_run(chunked, reference)
+
+
+@pytest.mark.parametrize("pipelining", [True, False])
+@pytest.mark.parametrize("one_shot", [True, False])
+def test_a_fit_after_a_stop_request_continues_without_losing_a_batch(pipelining, one_shot):
+  batches = make_batches(9, seed=86)
+  data = iter(batches) if one_shot else batches
+  stopped = make_trainer(None, pipelining)
+  assert stopped.fit(data, callbacks=[stop_at(4)]).final_step == 4
+  assert stopped.fit(data).final_step == 9
+  reference = make_trainer(None, pipelining)
+  reference.fit(batches)
+  assert_same_run(stopped, reference)
+
+
+@pytest.mark.parametrize("pipelining", [True, False])
+def test_a_chunk_that_trains_nothing_keeps_its_first_batch_after_other_data(pipelining):
+  """The first batch of new data is not applied by fit(num_steps=current): the next fit is."""
+  first_data, other = make_batches(5, seed=87), make_batches(6, seed=88)
+  chunked, reference = make_trainer(None, pipelining), make_trainer(None, pipelining)
+  chunked.fit(first_data, num_steps=5)
+  reference.fit(first_data, num_steps=5)
+  chunked.fit(other, num_steps=5)  # trains nothing
+  chunked.fit(other, num_steps=8)
+  reference.fit(other, num_steps=8)
   assert_same_run(chunked, reference)
 
 
