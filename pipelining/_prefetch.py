@@ -20,9 +20,9 @@ Guarantees:
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
-import collections
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
