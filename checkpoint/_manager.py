@@ -341,7 +341,8 @@ class CheckpointManager:
       path = step_dir / name
       if name in listed or path.exists() or _integrity.is_link(path):
         continue
-      holding = [other for other in self.all_steps() if (self._directory / str(other) / name).exists()]
+      holding = [other for other in self.all_steps()
+                 if (self._directory / str(other) / name).exists()]
       raise MissingItemError(
           f"checkpoint step {step} ({step_dir}) holds no item {name!r}: it saved"
           f" {sorted(listed)}. Restore without {name!r}, or restore a step that saved it"

@@ -157,9 +157,9 @@ def _verify(args: argparse.Namespace) -> int:
       and not problem.path.exists() and not args.adopt
   })
   for step in unmanifested:
-    _print_out(f"{step} has no {INTEGRITY_FILE}: if an older version wrote it (before integrity"
-          f" manifests) rather than a partial copy, `sc-checkpoint verify --adopt {step}` checks"
-          " what can be checked and gives it one.")
+    _print_out(f"{step} has no {INTEGRITY_FILE}: if an older version wrote it (before"
+               f" integrity manifests) rather than a partial copy, `sc-checkpoint verify --adopt"
+               f" {step}` checks what can be checked and gives it one.")
   return 1 if failed else 0
 
 

@@ -24,9 +24,9 @@ Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
 
 
 def default_initializer(key: jax.Array, shape: tuple[int, ...], dtype=jnp.float32) -> jax.Array:
-  """Normal with standard deviation sigma = 1/sqrt(D) (D = shape[-1]), truncated to [-2 sigma, 2 sigma].
+  """Normal of standard deviation sigma = 1/sqrt(D), truncated to [-2 sigma, 2 sigma].
 
-  The truncation narrows the values' own standard deviation to about
+  D = shape[-1]. The truncation narrows the values' own standard deviation to about
   0.88 sigma (that of a standard normal cut at +-2 is 0.8796).
   """
   stddev = 1.0 / max(shape[-1], 1) ** 0.5

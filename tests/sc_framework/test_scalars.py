@@ -49,8 +49,8 @@ def _specs(make_int, make_float):
                     max_ids_per_partition=make_int(64), max_unique_ids_per_partition=make_int(32))
   users = TableSpec("users", make_int(500), make_int(12),
                     optimizer=RowWiseAdagrad(make_float(0.05), initial_accumulator=make_float(0.1)))
-  ftrl = TableSpec("clicks", make_int(300), make_int(4),
-                   optimizer=FTRL(make_float(0.2), l1=make_float(0.01), row_clipnorm=make_float(3.0)))
+  ftrl_optimizer = FTRL(make_float(0.2), l1=make_float(0.01), row_clipnorm=make_float(3.0))
+  ftrl = TableSpec("clicks", make_int(300), make_int(4), optimizer=ftrl_optimizer)
   return [
       FeatureSpec("items", table, input_shape=(make_int(32), make_int(5))),
       FeatureSpec("history", table, input_shape=(make_int(32), make_int(7)),
