@@ -102,3 +102,30 @@ def evaluation_auc(labels: Sequence[Any], scores: Sequence[Any]) -> float:
         " eval_metrics=() to the Trainer: evaluate then reports the loss only."
     )
   return roc_auc(np.concatenate(labels), np.concatenate(scores))
+
+
+def evaluation_metrics(per_batch: Sequence[dict[str, float]], sizes: Sequence[int],
+                       labels: Sequence[Any], scores: Sequence[Any],
+                       eval_metrics: Sequence[str]) -> dict[str, float]:
+  """An evaluation's result from its batches' metrics, sizes, labels and predictions.
+
+  Each metric of `per_batch` (the loss and the loss's aux metrics) is the
+  mean over the batches weighted by their sizes, sum_b n_b m_b / sum_b n_b;
+  "auc" (when in `eval_metrics`) is `evaluation_auc` over all samples at once.
+
+  Raises:
+    ValueError: no batches; "auc" both an aux metric and in `eval_metrics`;
+      `evaluation_auc`'s errors.
+  """
+  if not sizes:
+    raise ValueError("evaluate got no batches.")
+  result = {name: float(np.average([metrics[name] for metrics in per_batch], weights=sizes))
+            for name in per_batch[0]}
+  if "auc" in eval_metrics:
+    if "auc" in result:
+      raise ValueError(
+          "loss_fn reports an aux metric 'auc' and eval_metrics=('auc',) computes one too;"
+          " rename the aux metric or pass eval_metrics=()."
+      )
+    result["auc"] = evaluation_auc(labels, scores)
+  return result

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
-import re
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +14,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from pipelining._agreement import check_same_setup, check_same_shapes, every_process_has
 from pipelining._batch_check import (
     BatchChecker,
     BatchUse,
@@ -24,9 +23,10 @@ from pipelining._batch_check import (
 )
 from pipelining._callbacks import Callback
 from pipelining._config import TrainerConfig, check_count
-from pipelining._data import DataStream, own_position, share_position
+from pipelining._data import own_position, share_position
+from pipelining._distributed import check_agreement, check_shared_directory
 from pipelining._features import FeatureTree
-from pipelining._distributed import allgather_json, check_agreement, check_shared_directory
+from pipelining._fit_data import FitData
 from pipelining._fit_loop import (
     History,
     LoopState,
@@ -43,7 +43,7 @@ from pipelining._in_flight import (
     local_inputs,
     rows_tree,
 )
-from pipelining._metrics import evaluation_auc
+from pipelining._metrics import evaluation_metrics
 from pipelining._model import DenseModel, as_dense_model
 from pipelining._placement import any_process, global_batch, to_global, to_host
 from pipelining._prefetch import Prefetcher, Prepared
@@ -64,29 +64,10 @@ from sc_framework.specs import FeatureSpec
 from sc_framework.stacking import layout_for_stacking
 
 
-# Options that may differ between processes: they change no computation, or
-# (workdir) name one shared directory by a path that may differ per host.
-_LOCAL_OPTIONS = ("progress", "log_every", "prefetch_depth", "workdir")
-
-
 _LOG = logging.getLogger("pipelining")
 
 _SAME_STEPS = ("Every process must feed the same number of batches (its slice of each global"
                " batch) and stop at the same step.")
-
-
-def _epoch_count(epochs: int | None) -> int:
-  """fit's `epochs` as a count (None is one pass)."""
-  return 1 if epochs is None else epochs
-
-
-class _CarriedStream(NamedTuple):
-  """The data stream of a fit that stopped before its data ended (`Trainer._carry_of`)."""
-
-  data: Iterable[Any]  # the train_data the fit was given (compared by identity)
-  epochs: int
-  stream: DataStream
-  remainder: tuple[Any, ...]  # taken from `stream`, not applied: handed out first
 
 
 class Trainer:
@@ -162,22 +143,15 @@ class Trainer:
                                      layout=layout)
     self._local_devices = self.plan.local_devices()
     self.backend = get_backend(self.config.backend, self.plan)
-    self._check_setup()
+    check_same_setup(self.plan, self.config, self.backend.name)
     self._model = model
     self._loss_fn = loss_fn
     self._dense_optimizer = dense_optimizer
     # The fit loop's state (train state, in-flight batch, data position);
     # fit assigns it after every step.
     self._loop: LoopState | None = None
-    # True after an interrupted fit (a stop request) whose data did not end:
-    # the next fit, if given another object of the same data, skips the
-    # batches consumed (the same object continues through `_carry`). Any
-    # other fit reads new data from its start. Each fit consumes it.
-    self._continue_data = False
-    # After a fit that stopped before its data ended (num_steps, a stop
-    # request): its data, stream and the batches taken but not applied, so a
-    # fit on the same data continues the stream exactly (`_open_data`).
-    self._carry: _CarriedStream | None = None
+    # Where each fit's data starts, and what a fit that stopped early hands on.
+    self._fit_data = FitData(self._stage_for_training, self.config.prefetch_depth)
     # The checkpoint step whose train state evaluate or predict adopted
     # without its in-flight batch and data position: fit still resumes it.
     self._state_only_from: int | None = None
@@ -205,7 +179,7 @@ class Trainer:
           incremental=self.config.incremental,
           # Prepared but not applied at once: a fit's queue (depth), one more
           # held by its thread, the next batch and the one in flight, plus, in a
-          # fit continuing another's stream (`_carry_of`), that fit's remainder.
+          # fit continuing another's stream (`FitData`), that fit's remainder.
           unapplied_batches=2 * self.config.prefetch_depth + 4)
 
   @property
@@ -317,7 +291,7 @@ class Trainer:
     # Initialise on this process's default device from global shapes only.
     dense = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), example.dense)
     self._dense_model = as_dense_model(self._model, dense_key, activations, dense)
-    self._check_shapes(example)
+    check_same_shapes(example, self._dense_model.params)
     self._prediction_shapes = jax.eval_shape(self._dense_model.apply, self._dense_model.params,
                                              activations, dense)
     model_apply, to_model = self._dense_model.apply, self._features.activations_for_model
@@ -338,42 +312,6 @@ class Trainer:
       opt_state = jax.jit(self._dense_optimizer.init, out_shardings=replicated)(params)
       step = jax.device_put(np.zeros((), np.int32), replicated)
       self.state = TrainState(params, opt_state, embeddings, step)
-
-  def _check_setup(self) -> None:
-    """With several processes: the same layout, optimizers and options everywhere.
-
-    Runs before any collective, so a process that differs or never arrives
-    raises DistributedError (after the distributed timeout) instead of
-    hanging the others.
-    """
-    if jax.process_count() == 1:
-      return
-    # Without memory addresses: a schedule function's repr differs per process.
-    describe = lambda value: re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))  # noqa: E731
-    check_agreement("trainer setup", {
-        "layout": self.plan.layout.to_dict(),
-        "optimizers": {s.name: describe(self.plan.optimizer(s.name))
-                       for s in self.plan.layout.stacks},
-        "config": {k: describe(v) for k, v in dataclasses.asdict(self.config).items()
-                   if k not in _LOCAL_OPTIONS},
-        # Its path may differ per host; whether there is one may not (saves are collective).
-        "workdir given": self.config.workdir is not None,
-        # Chosen per process ("auto"): processes with different backends would
-        # run different programs and wait for each other forever.
-        "backend": self.backend.name,
-    }, hint="A process whose C++ CPU kernels are not built chooses the 'xla' backend where the"
-            " others choose 'cpu': build the kernels on every host, or pass the same backend=.")
-
-  def _check_shapes(self, example: DeviceBatch) -> None:
-    """With several processes: the same global batch and parameter shapes everywhere."""
-    if jax.process_count() == 1:
-      return
-    leaves = jax.tree_util.tree_flatten_with_path(
-        (example, jax.device_get(self._dense_model.params)))[0]
-    check_agreement("batch and parameter shapes", {
-        jax.tree_util.keystr(path): [list(np.shape(x)), str(getattr(x, "dtype", ""))]
-        for path, x in leaves
-    })
 
   def _restore(self, example: DeviceBatch, history: History) -> None:
     """Restores the latest checkpoint when it is newer than the state (with a workdir)."""
@@ -517,7 +455,9 @@ class Trainer:
     dropped_before = self._dropped_ids
     self._stop.clear()
     self._stop_requested.clear()
-    prefetcher, continued = self._open_data(train_data, epochs)
+    prefetcher, continued = self._fit_data.open(
+        train_data, epochs, can_continue=self._loop is not None and self._resume_step() is None,
+        position=self._data_position)
     data_ended = False
 
     def next_batch() -> Prepared | None:
@@ -563,17 +503,16 @@ class Trainer:
       history.interrupted = self._stopping()
       check_agreement("end of fit", {"step": step, "interrupted": history.interrupted},
                       hint=_SAME_STEPS)
-      self._continue_data = history.interrupted and not data_ended
+      first_taken = first is None or self._loop.data is not data_at_start
+      self._fit_data.hand_on(train_data, epochs, prefetcher,
+                             () if first_taken else (first,),
+                             interrupted=history.interrupted, data_ended=data_ended)
       evaluated = bool(history.evaluations) and history.evaluations[-1][0] == step
       if not history.interrupted and eval_data is not None and not evaluated:
         end.evaluation(step)
       self._save(self._loop, callbacks)
       self._wait_for_saves()
       history.final_step = step
-      first_taken = first is None or self._loop.data is not data_at_start
-      unapplied = () if data_ended or first_taken else (first,)
-      self._carry = None if data_ended else self._carry_of(train_data, epochs, prefetcher,
-                                                            unapplied)
       return history
     except BaseException:
       self._finish_saves_after_error()
@@ -591,67 +530,13 @@ class Trainer:
       finally:
         restore_handlers(previous_handlers)
 
-  def _open_data(self, train_data: Iterable[Any],
-                 epochs: int | None) -> tuple[Prefetcher, bool]:
-    """The prefetched stream of staged batches, from where the data stands.
-
-    Returns it and whether it continues the stream of the last fit (see
-    `_carry_of`): the same data object, after a fit that stopped before its
-    data ended, and no newer checkpoint to resume.
-    """
-    carry, self._carry = self._carry, None
-    continue_data, self._continue_data = self._continue_data, False
-    continued = (carry is not None and carry.data is train_data
-                 and carry.epochs == _epoch_count(epochs)
-                 and self._loop is not None and self._resume_step() is None)
-    if continued:
-      stream, remainder = carry.stream, carry.remainder
-    else:
-      position = self._data_position(continue_data)
-      stream = DataStream(
-          train_data, epochs=epochs,
-          batches_consumed=position.get("batches_consumed", 0),
-          position=position.get("position"), epoch=position.get("epoch", 0),
-      )
-      remainder = ()
-    prefetcher = Prefetcher(stream, self._stage_for_training, depth=self.config.prefetch_depth,
-                            start_index=stream.batches_consumed, remainder=remainder)
-    return prefetcher, continued
-
-  def _carry_of(self, train_data: Iterable[Any], epochs: int | None, prefetcher: Prefetcher,
-                unapplied: tuple[Prepared, ...]) -> _CarriedStream | None:
-    """What a fit on the same data continues from, after a fit that stopped early.
-
-    A fit that stopped before its data ended (at num_steps, or on a stop
-    request) has taken batches from the data that it did not apply:
-    `unapplied` (its first batch, when it trained nothing), the prefetched
-    ones, and, pipelined, the one in flight (kept in the loop state). A
-    later fit given the same data object continues that stream with them, as
-    one uninterrupted fit would and as a new Trainer resuming the final
-    checkpoint does: a one-shot iterator loses nothing, a list does not
-    start over. Every process carries its stream, or none does.
-    """
-    remainder = prefetcher.close_and_keep()
-    if remainder is None:
-      _LOG.warning(
-          "the data iterator did not return within 10 s after fit stopped; a later fit cannot"
-          " continue its stream and starts the data anew (a one-shot iterator may then lose"
-          " batches).")
-    ok = remainder is not None
-    if jax.process_count() > 1:
-      ok = all(allgather_json("fit carries its data stream", ok))
-    if not ok:
-      return None
-    return _CarriedStream(train_data, _epoch_count(epochs), prefetcher.iterator,
-                          unapplied + remainder.items)
-
   def _start(self, first: Prepared | None, train_data: Iterable[Any], history: History) -> bool:
     """Builds the steps and restores the latest checkpoint; False when there is nothing to fit."""
     if (first is None and self._loop is not None and self._loop.in_flight is not None
         and self._resume_step() is None):
       return True  # No new batch, but the one in flight is still to be applied (drained).
     example = first.batch.batch if first is not None else self._example_batch(train_data)
-    if first is None and not self._every_process_has(example):
+    if first is None and not every_process_has(example):
       return False
     if example is None:
       return False
@@ -659,26 +544,6 @@ class Trainer:
     check_labels_fit_predictions(self._prediction_shapes, example.labels)
     self._restore(example, history)
     return True
-
-  def _every_process_has(self, example: DeviceBatch | None) -> bool:
-    """Whether every process has a batch to build from when no batch is left to train on.
-
-    A process whose data holds no batch at all has nothing to take shapes
-    from, so it cannot build or restore; the others, which could, would wait
-    for it in their first exchange until the distributed timeout. As when a
-    process's data ends during fit, every process stops here instead.
-    """
-    if jax.process_count() == 1:
-      return True
-    have = allgather_json("fit example batch", example is not None)
-    if all(have):
-      return True
-    if example is not None:
-      _LOG.warning(
-          "process %d: the data of processes %s holds no batch, so there is nothing to fit and"
-          " this process's batches are not used. Give every process the same number of"
-          " batches.", jax.process_index(), [p for p, has in enumerate(have) if not has])
-    return False
 
   def _progress(self, num_steps: int | None) -> Progress:
     reporting = jax.process_index() == 0
@@ -805,18 +670,7 @@ class Trainer:
         labels.append(_host_tree(batch.labels))
         per_batch.append({name: float(value) for name, value in metrics.items()})
         sizes.append(jax.tree.leaves(predictions[-1])[0].shape[0])
-    if not sizes:
-      raise ValueError("evaluate got no batches.")
-    result = {name: float(np.average([m[name] for m in per_batch], weights=sizes))
-              for name in per_batch[0]}
-    if "auc" in self.config.eval_metrics:
-      if "auc" in result:
-        raise ValueError(
-            "loss_fn reports an aux metric 'auc' and eval_metrics=('auc',) computes one too;"
-            " rename the aux metric or pass eval_metrics=()."
-        )
-      result["auc"] = evaluation_auc(labels, predictions)
-    return result
+    return evaluation_metrics(per_batch, sizes, labels, predictions, self.config.eval_metrics)
 
   def predict(self, data: Iterable[Any]) -> Any:
     """The model's predictions for every batch of `data`, concatenated.

@@ -1,0 +1,86 @@
+"""What every process of a multi-process Trainer must agree on, checked before it matters.
+
+Every process builds the same Trainer and runs the same programs on its
+slice of every global batch. A process that differs (another layout,
+optimizer, option or backend; other batch or parameter shapes) or that has
+no batch would otherwise wait for the others in a collective until the
+distributed timeout, or compute something else. These checks run before any
+such collective and raise `DistributedError` naming the difference. With
+one process they return at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from typing import Any
+
+import jax
+import numpy as np
+
+from pipelining._config import TrainerConfig
+from pipelining._distributed import allgather_json, check_agreement
+from sc_framework.primitives import EmbeddingPlan
+
+_LOG = logging.getLogger("pipelining")
+
+# Options that may differ between processes: they change no computation, or
+# (workdir) name one shared directory by a path that may differ per host.
+_LOCAL_OPTIONS = ("progress", "log_every", "prefetch_depth", "workdir")
+
+
+def _describe(value: Any) -> str:
+  """repr without memory addresses (a schedule function's repr differs per process)."""
+  return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))
+
+
+def check_same_setup(plan: EmbeddingPlan, config: TrainerConfig, backend_name: str) -> None:
+  """The same layout, sparse optimizers, options and backend on every process."""
+  if jax.process_count() == 1:
+    return
+  check_agreement("trainer setup", {
+      "layout": plan.layout.to_dict(),
+      "optimizers": {s.name: _describe(plan.optimizer(s.name)) for s in plan.layout.stacks},
+      "config": {k: _describe(v) for k, v in dataclasses.asdict(config).items()
+                 if k not in _LOCAL_OPTIONS},
+      # Its path may differ per host; whether there is one may not (saves are collective).
+      "workdir given": config.workdir is not None,
+      # Chosen per process ("auto"): processes with different backends would
+      # run different programs and wait for each other forever.
+      "backend": backend_name,
+  }, hint="A process whose C++ CPU kernels are not built chooses the 'xla' backend where the"
+          " others choose 'cpu': build the kernels on every host, or pass the same backend=.")
+
+
+def check_same_shapes(example: Any, params: Any) -> None:
+  """The same global batch shapes (of `example`) and dense parameter shapes everywhere."""
+  if jax.process_count() == 1:
+    return
+  leaves = jax.tree_util.tree_flatten_with_path((example, jax.device_get(params)))[0]
+  check_agreement("batch and parameter shapes", {
+      jax.tree_util.keystr(path): [list(np.shape(x)), str(getattr(x, "dtype", ""))]
+      for path, x in leaves
+  })
+
+
+def every_process_has(example: Any | None) -> bool:
+  """Whether every process has a batch to build from when no batch is left to train on.
+
+  A process whose data holds no batch at all has nothing to take shapes
+  from, so it cannot build or restore; the others, which could, would wait
+  for it in their first exchange until the distributed timeout. As when a
+  process's data ends during fit, every process stops instead (False), and
+  a process that had a batch warns, naming those without.
+  """
+  if jax.process_count() == 1:
+    return True
+  have = allgather_json("fit example batch", example is not None)
+  if all(have):
+    return True
+  if example is not None:
+    _LOG.warning(
+        "process %d: the data of processes %s holds no batch, so there is nothing to fit and"
+        " this process's batches are not used. Give every process the same number of"
+        " batches.", jax.process_index(), [p for p, has in enumerate(have) if not has])
+  return False

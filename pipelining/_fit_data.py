@@ -1,0 +1,119 @@
+"""The training data across fits: where each fit's stream starts, what a stopped fit hands on.
+
+Every fit reads its batches through a `Prefetcher` over a `DataStream`
+(`pipelining._data`). Where that stream starts:
+- a fit given the same data object (and epochs) as a fit that stopped before
+  its data ended (at num_steps, or on a stop request) continues that fit's
+  stream, first handing out the batches that fit took but did not apply. So
+  fits in chunks on the same data equal one fit, also for a one-shot
+  iterator, as a new Trainer resuming the final checkpoint would;
+- any other fit starts at `position(after_interruption)`: after a stop
+  request whose data did not end, another object of the same data skips the
+  batches consumed; else a newer checkpoint's position, or the beginning.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+import jax
+
+from pipelining._data import DataStream
+from pipelining._distributed import allgather_json
+from pipelining._in_flight import Staged
+from pipelining._prefetch import Prefetcher, Prepared
+
+_LOG = logging.getLogger("pipelining")
+
+
+def epoch_count(epochs: int | None) -> int:
+  """fit's `epochs` as a count (None is one pass)."""
+  return 1 if epochs is None else epochs
+
+
+class _CarriedStream(NamedTuple):
+  """The data stream of a fit that stopped before its data ended (`FitData.hand_on`)."""
+
+  data: Iterable[Any]  # the train_data the fit was given (compared by identity)
+  epochs: int
+  stream: DataStream
+  remainder: tuple[Any, ...]  # taken from `stream`, not applied: handed out first
+
+
+class FitData:
+  """Opens each fit's stream of staged batches and keeps what a stopped fit hands on.
+
+  Args:
+    stage: (raw batch, index in the stream) -> the staged batch.
+    prefetch_depth: batches staged ahead of the fit loop.
+  """
+
+  def __init__(self, stage: Callable[[Any, int], Staged], prefetch_depth: int):
+    self._stage = stage
+    self._prefetch_depth = prefetch_depth
+    # After a fit that stopped before its data ended: its data, stream and the
+    # batches taken but not applied. Each `open` consumes it.
+    self._carry: _CarriedStream | None = None
+    # True after a stop request whose data did not end. Each `open` consumes it.
+    self._after_interruption = False
+
+  def open(self, train_data: Iterable[Any], epochs: int | None, *, can_continue: bool,
+           position: Callable[[bool], dict[str, Any]]) -> tuple[Prefetcher, bool]:
+    """The prefetched stream of fit's staged batches.
+
+    Args:
+      train_data, epochs: fit's.
+      can_continue: whether the state is still the one the last fit left
+        (no newer checkpoint to resume); if not, nothing is continued.
+      position: (after an interruption) -> the data position to start at
+        ({} is the beginning; keys as `DataStream`'s arguments).
+
+    Returns:
+      The prefetcher, and whether it continues the last fit's stream.
+    """
+    carry, self._carry = self._carry, None
+    after_interruption, self._after_interruption = self._after_interruption, False
+    continued = (carry is not None and carry.data is train_data
+                 and carry.epochs == epoch_count(epochs) and can_continue)
+    if continued:
+      stream, remainder = carry.stream, carry.remainder
+    else:
+      start = position(after_interruption)
+      stream = DataStream(
+          train_data, epochs=epochs,
+          batches_consumed=start.get("batches_consumed", 0),
+          position=start.get("position"), epoch=start.get("epoch", 0),
+      )
+      remainder = ()
+    prefetcher = Prefetcher(stream, self._stage, depth=self._prefetch_depth,
+                            start_index=stream.batches_consumed, remainder=remainder)
+    return prefetcher, continued
+
+  def hand_on(self, train_data: Iterable[Any], epochs: int | None, prefetcher: Prefetcher,
+              unapplied: tuple[Prepared, ...], *, interrupted: bool, data_ended: bool) -> None:
+    """Keeps what the next fit continues from, at the end of a fit.
+
+    A fit that stopped before its data ended has taken batches that it did
+    not apply: `unapplied` (its first batch, when it trained nothing), the
+    prefetched ones, and, pipelined, the one in flight (kept in the loop
+    state). The next fit given the same data object continues that stream
+    with them. Every process carries its stream, or none does.
+    """
+    self._after_interruption = interrupted and not data_ended
+    self._carry = None
+    if data_ended:
+      return
+    remainder = prefetcher.close_and_keep()
+    if remainder is None:
+      _LOG.warning(
+          "the data iterator did not return within 10 s after fit stopped; a later fit cannot"
+          " continue its stream and starts the data anew (a one-shot iterator may then lose"
+          " batches).")
+    kept = remainder is not None
+    if jax.process_count() > 1:
+      kept = all(allgather_json("fit carries its data stream", kept))
+    if kept:
+      self._carry = _CarriedStream(train_data, epoch_count(epochs), prefetcher.iterator,
+                                   unapplied + remainder.items)
