@@ -15,6 +15,7 @@ from sc_framework.primitives._backend import (
     available_backends,
     get_backend,
     register_backend,
+    registered_backends,
 )
 from sc_framework.primitives._plan import (
     DEFAULT_AXIS_NAME,
@@ -44,4 +45,5 @@ __all__ = [
     "register_backend",
     "available_backends",
     "get_backend",
+    "registered_backends",
 ]

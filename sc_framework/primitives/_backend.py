@@ -55,6 +55,9 @@ class EmbeddingBackend:
       its samples of every feature of the stack, feature after feature, in
       the stack's order; `stacked_lookup`). Without it they are joined from
       `lookup`'s result, which costs one copy.
+    installed: () -> whether its implementation is present in this
+      installation (e.g. the C++ kernels were built); `available_backends`
+      lists only installed backends.
   """
 
   name: str
@@ -64,6 +67,7 @@ class EmbeddingBackend:
   priority: int = 0
   description: str = ""
   lookup_stacks: Callable[..., Any] | None = None
+  installed: Callable[[], bool] = lambda: True
 
 
 class PortableCpuBackendWarning(RuntimeWarning):
@@ -107,6 +111,7 @@ CPU_BACKEND = EmbeddingBackend(
     supports=_all_cpu,
     priority=1,
     description="multi-threaded C++ kernels",
+    installed=cpu_kernels_available,
 )
 _REGISTRY: dict[str, EmbeddingBackend] = {"xla": XLA_BACKEND, "cpu": CPU_BACKEND}
 
@@ -118,8 +123,21 @@ def register_backend(backend: EmbeddingBackend) -> None:
   _REGISTRY[backend.name] = backend
 
 
-def available_backends() -> tuple[str, ...]:
+def registered_backends() -> tuple[str, ...]:
+  """The names of every registered backend, installed or not."""
   return tuple(_REGISTRY)
+
+
+def available_backends(plan: EmbeddingPlan | None = None) -> tuple[str, ...]:
+  """The names of the registered backends that can run here.
+
+  Without `plan`: those installed (the "cpu" backend only when its C++
+  kernels were built and pass their probe). With `plan`: those installed
+  that also support the plan, i.e. every name for which
+  `get_backend(name, plan)` succeeds.
+  """
+  return tuple(name for name, backend in _REGISTRY.items()
+               if backend.installed() and (plan is None or backend.supports(plan)))
 
 
 def get_backend(name: str | EmbeddingBackend, plan: EmbeddingPlan) -> EmbeddingBackend:
@@ -130,13 +148,15 @@ def get_backend(name: str | EmbeddingBackend, plan: EmbeddingPlan) -> EmbeddingB
   (`PortableCpuBackendWarning`) that the portable backend is slower.
 
   Raises:
-    ValueError: an unknown name, or a backend that does not support `plan`.
+    ValueError: an unknown name, a backend that is not installed here (see
+      `available_backends`), or one that does not support `plan`.
   """
   if isinstance(name, EmbeddingBackend):
     backend = name
   elif name == "auto":
     chosen = next(
-        (b for b in sorted(_REGISTRY.values(), key=lambda b: -b.priority) if b.supports(plan)),
+        (b for b in sorted(_REGISTRY.values(), key=lambda b: -b.priority)
+         if b.installed() and b.supports(plan)),
         XLA_BACKEND,
     )
     if chosen.name == "xla" and _on_cpu(plan) and not _kernels_built():
@@ -146,6 +166,13 @@ def get_backend(name: str | EmbeddingBackend, plan: EmbeddingPlan) -> EmbeddingB
     raise ValueError(f"unknown embedding backend {name!r}; registered: {sorted(_REGISTRY)}.")
   else:
     backend = _REGISTRY[name]
+  if not backend.installed():
+    how = (" (its C++ kernels are not built or failed to load: install a C++17 compiler, then"
+           " reinstall the package)" if backend is CPU_BACKEND else "")
+    raise ValueError(
+        f"embedding backend {backend.name!r} is not installed here{how}; installed:"
+        f" {sorted(available_backends())}. Use backend='xla' (portable) or 'auto'."
+    )
   if not backend.supports(plan):
     raise ValueError(
         f"embedding backend {backend.name!r} cannot run this plan on devices"

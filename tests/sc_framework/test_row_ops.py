@@ -31,7 +31,10 @@ from sc_framework.primitives import (
     embedding_lookup,
     get_backend,
     init_embedding_variables,
+    register_backend,
+    registered_backends,
 )
+from sc_framework.primitives import _backend
 from sc_framework.primitives._row_ops import CPU_KERNEL_OPS, XLA_OPS, cpu_kernels_available
 from tests.numerics import assert_close, assert_same_bits
 
@@ -108,6 +111,36 @@ def test_auto_backend_on_cpu():
   assert "xla" in available_backends()
   with pytest.raises(ValueError, match="unknown embedding backend 'tpu_magic'"):
     get_backend("tpu_magic", plan)
+
+
+def test_available_backends_lists_only_what_can_run_here():
+  """A registered backend that is not installed (the "cpu" one without its
+  built kernels) is not available: "auto" skips it, naming it is refused."""
+  plan = EmbeddingPlan.create(
+      [FeatureSpec("f", TableSpec("t", 10, 4), (8, 2))],
+      mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("devices",)))
+  assert ("cpu" in available_backends()) == cpu_kernels_available()
+  assert "cpu" in registered_backends()
+  absent = dataclasses.replace(XLA_BACKEND, name="absent", priority=9, installed=lambda: False)
+  refusing = dataclasses.replace(XLA_BACKEND, name="tpu_only", supports=lambda plan: False)
+  register_backend(absent)
+  register_backend(refusing)
+  try:
+    assert {"absent", "tpu_only"} <= set(registered_backends())
+    assert "absent" not in available_backends() and "tpu_only" in available_backends()
+    usable = available_backends(plan)
+    assert "absent" not in usable and "tpu_only" not in usable and "xla" in usable
+    for name in usable:
+      assert get_backend(name, plan).name == name
+    assert get_backend("auto", plan).name in usable
+    with pytest.raises(ValueError, match="embedding backend 'absent' is not installed here"):
+      get_backend("absent", plan)
+  finally:
+    _backend._REGISTRY.pop("absent")
+    _backend._REGISTRY.pop("tpu_only")
+  if not cpu_kernels_available():
+    with pytest.raises(ValueError, match="'cpu' is not installed here .*C\\+\\+ kernels"):
+      get_backend("cpu", plan)
 
 
 def test_a_backend_value_is_used_without_registration():
