@@ -504,8 +504,14 @@ class Trainer:
       check_agreement("end of fit", {"step": step, "interrupted": history.interrupted},
                       hint=_SAME_STEPS)
       first_taken = first is None or self._loop.data is not data_at_start
-      self._fit_data.hand_on(train_data, epochs, prefetcher,
-                             () if first_taken else (first,),
+      unapplied = () if first_taken else (first,)
+      if first_taken and not (data_ended or history.interrupted or self.config.pipelining):
+        # Stopped at num_steps without looking past the last batch, where a
+        # pipelined fit takes the next one (its lookup): a fit ending with
+        # the data sees the end in both modes (the next fit starts anew).
+        peeked = next_batch()
+        unapplied = () if peeked is None else (peeked,)
+      self._fit_data.hand_on(train_data, epochs, prefetcher, unapplied,
                              interrupted=history.interrupted, data_ended=data_ended)
       evaluated = bool(history.evaluations) and history.evaluations[-1][0] == step
       if not history.interrupted and eval_data is not None and not evaluated:

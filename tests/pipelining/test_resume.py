@@ -226,6 +226,24 @@ def test_a_chunk_that_trains_nothing_keeps_its_first_batch_after_other_data(pipe
   assert_same_run(chunked, reference)
 
 
+@pytest.mark.parametrize("pipelining", [True, False])
+def test_a_chunk_that_ends_with_the_data_ends_its_stream_in_both_modes(pipelining):
+  """After fit(data, num_steps=len(data)), the next fit on the same list starts
+  a new pass, as after fit(data): the data ended, though num_steps stopped it."""
+  batches = make_batches(5, seed=89)
+  chunked, reference = make_trainer(None, pipelining), make_trainer(None, pipelining)
+  assert chunked.fit(batches, num_steps=5).final_step == 5
+  history = chunked.fit(batches)
+  assert history.final_step == 10 and len(history.steps) == 5
+  reference.fit(batches)
+  reference.fit(batches)
+  assert_same_run(chunked, reference)
+  one_shot = make_trainer(None, pipelining)
+  data = iter(batches)
+  assert one_shot.fit(data, num_steps=5).final_step == 5
+  assert one_shot.fit(data).final_step == 5  # nothing left to train on
+
+
 @pytest.mark.parametrize("num_steps", [3, 4, 5])
 def test_a_synchronous_fit_resuming_a_pipelined_checkpoint_stops_at_num_steps(tmp_path, num_steps):
   """The in-flight batch of a pipelined checkpoint counts toward num_steps."""
