@@ -366,7 +366,12 @@ def _corrupt(delta: DeltaItem, stack: str, slot: str | None, error) -> CorruptCh
 
 
 def chain_summary(item: epath.PathLike) -> list[dict]:
-  """The chain of an item, base first: step, kind and (deltas) rows per stack."""
+  """The chain of an item, base first: step, kind and, for deltas, rows per stack and layout.
+
+  A delta's layout is the one its job ran on (its rows are global rows of
+  it); after an elastic restore it differs from its base's. It is given as
+  {"num_devices", "shards_per_device", "stacks": stack -> table names}.
+  """
   out = []
   for path, manifest in walk_chain(item):
     step = path.parent.name
@@ -375,6 +380,10 @@ def chain_summary(item: epath.PathLike) -> list[dict]:
       entry["kind"] = "full"
     else:
       delta = DeltaItem(path, manifest)
-      entry.update(kind="delta", parent_step=manifest.parent_step, rows=delta.num_rows)
+      layout = {"num_devices": delta.layout.num_devices,
+                "shards_per_device": delta.layout.shards_per_device,
+                "stacks": {stack.name: list(stack.table_names) for stack in delta.layout.stacks}}
+      entry.update(kind="delta", parent_step=manifest.parent_step, rows=delta.num_rows,
+                   layout=layout)
     out.append(entry)
   return out

@@ -176,9 +176,10 @@ def format_description(info: dict[str, Any]) -> str:
   lines.append(f"embedding checkpoint ({info['kind']}) at {info['path']}: {_bytes(info['bytes'])}")
   if "layout" in info:
     layout = info["layout"]
+    whose = f" (of base step {info['chain'][0]['step']})" if "chain" in info else ""
     lines.append(
-        f"  layout: G={layout['num_devices']} devices x S={layout['shards_per_device']} shards per"
-        f" device = N={layout['num_shards']} shards"
+        f"  layout{whose}: G={layout['num_devices']} devices x S={layout['shards_per_device']}"
+        f" shards per device = N={layout['num_shards']} shards"
     )
   storage = info["storage"]
   lines.append(
@@ -191,7 +192,8 @@ def format_description(info: dict[str, Any]) -> str:
     else:
       rows = ", ".join(f"{name}: {count}" for name, count in link["rows"].items())
       lines.append(
-          f"  chain: delta step {link['step']} (parent {link['parent_step']}), rows {rows}"
+          f"  chain: delta step {link['step']} (parent {link['parent_step']}),"
+          f" {_delta_layout(link['layout'], info)}, rows {rows}"
       )
   for group in info["groups"]:
     head = "stack" if info["kind"] == "stacked" else "table"
@@ -214,6 +216,16 @@ def format_description(info: dict[str, Any]) -> str:
           f" {_bytes(array['bytes']):>10}  chunk_rows={array['chunk_rows']}"
       )
   return "\n".join(lines)
+
+
+def _delta_layout(layout: dict[str, Any], info: dict[str, Any]) -> str:
+  """A delta's layout: G and S, and its stacks where they differ from the base's."""
+  text = f"layout G={layout['num_devices']} x S={layout['shards_per_device']}"
+  base = {group["name"]: [table["name"] for table in group["tables"]] for group in info["groups"]}
+  if layout["stacks"] != base:
+    text += " stacks " + "; ".join(
+        f"{name}: {', '.join(tables)}" for name, tables in layout["stacks"].items())
+  return text
 
 
 def _bytes(count: int) -> str:

@@ -353,7 +353,7 @@ def test_cli_inspects_converts_and_compacts_a_chain(tmp_path, capsys):
   assert cli.main(["inspect", str(delta_root / "3")]) == 0
   text = capsys.readouterr().out
   assert "chain: base step 0 (full)" in text
-  assert "chain: delta step 3 (parent 2), rows a__b: " in text
+  assert "chain: delta step 3 (parent 2), layout G=2 x S=1, rows a__b: " in text
   info = ck.inspect(delta_root / "3")["embedding"]["chain"]
   assert [link["step"] for link in info] == [0, 1, 2, 3]
   assert info[1]["rows"]["a__b"] == 6 + 12 and info[1]["rows"]["c"] == 4
@@ -404,8 +404,17 @@ def test_a_chain_continues_in_another_layout_after_a_restore(tmp_path):
       _update(model, second, tracker, rng, 0.2)
       _save(mngr, step, model, second, tracker)
       states[step] = {k: v.copy() for k, v in model.logical.items()}
-  assert [link["kind"] for link in ck.inspect(tmp_path / "4")["embedding"]["chain"]] == [
-      "full", "delta", "delta", "delta", "delta"]
+  described = ck.inspect(tmp_path / "4")
+  chain = described["embedding"]["chain"]
+  assert [link["kind"] for link in chain] == ["full", "delta", "delta", "delta", "delta"]
+  # Each delta names the layout its rows refer to: the base's, then the new one.
+  assert [(link["layout"]["num_devices"], link["layout"]["shards_per_device"])
+          for link in chain[1:]] == [(4, 1), (4, 1), (2, 2), (2, 2)]
+  assert chain[3]["layout"]["stacks"] == {"a": ["a"], "b": ["b"], "c": ["c"]}
+  text = ck.format_description(described)
+  assert "layout (of base step 0): G=4 devices x S=1" in text
+  assert "delta step 2 (parent 1), layout G=4 x S=1, rows" in text
+  assert "delta step 3 (parent 2), layout G=2 x S=2 stacks a: a; b: b; c: c, rows" in text
   for step, expected in states.items():
     for layout in (first, second):
       restored = ck.EmbeddingCheckpointHandler().restore(
