@@ -126,14 +126,19 @@ class Schedule:
   Attributes:
     steps: the compiled steps.
     next_batch: the next prepared batch (a `Prepared` of a `Staged`), or
-      None when the data of any process ended.
+      None when the data of any process ended. The processes also agree
+      there on any stop requested meanwhile (`stopped`).
     should_stop: whether a stop was requested (on any process).
+    stopped: whether the processes have agreed to stop, without asking
+      again: a stop requested while `next_batch` waited for the data leaves
+      the batch it returned untaken.
     num_steps: the total updates to reach, or None.
   """
 
   steps: CompiledSteps
   next_batch: Callable[[], Prepared | None]
   should_stop: Callable[[], bool]
+  stopped: Callable[[], bool]
   num_steps: int | None
 
   def reached(self, step: int) -> bool:
@@ -141,7 +146,7 @@ class Schedule:
     return self.num_steps is not None and step >= self.num_steps
 
 
-def _newest_index(data: Mapping[str, Any]) -> int:
+def newest_index(data: Mapping[str, Any]) -> int:
   """The stream position of the newest batch taken (the in-flight one, when any)."""
   return int(data.get("batches_consumed", 0)) - 1
 
@@ -155,7 +160,7 @@ def sync_steps(schedule: Schedule, state: LoopState,
   """
   step = int(state.train.step)
   if state.in_flight is not None and not schedule.reached(step):
-    index = _newest_index(state.data)
+    index = newest_index(state.data)
     train, metrics = schedule.steps.drain(state.train, state.in_flight)
     state = LoopState(train, None, None, state.data)
     yield StepResult(state, metrics, index)
@@ -171,7 +176,7 @@ def sync_steps(schedule: Schedule, state: LoopState,
     if schedule.reached(step) or schedule.should_stop():
       return
     pending = schedule.next_batch()
-    if pending is None:
+    if pending is None or schedule.stopped():
       return
 
 
@@ -179,7 +184,7 @@ def pipelined_steps(schedule: Schedule, state: LoopState,
                     pending: Prepared | None) -> Iterator[StepResult]:
   """Pipelined steps (prime, overlapped steps, drain)."""
   step = int(state.train.step)
-  if schedule.reached(step):
+  if schedule.reached(step) or schedule.should_stop():
     return
   if state.in_flight is None:
     if pending is None:
@@ -193,7 +198,9 @@ def pipelined_steps(schedule: Schedule, state: LoopState,
     # Only the end of the data drains the pipeline.
     if pending is None:
       pending = schedule.next_batch()
-    index = _newest_index(state.data)
+      if pending is not None and schedule.stopped():
+        return  # requested while waiting for it: the batch in flight stays so
+    index = newest_index(state.data)
     if pending is None:
       train, metrics = schedule.steps.drain(state.train, state.in_flight)
       state = LoopState(train, None, None, state.data)

@@ -459,12 +459,28 @@ class Trainer:
         train_data, epochs, can_continue=self._loop is not None and self._resume_step() is None,
         position=self._data_position)
     data_ended = False
+    # The newest batch taken from the stream, and the loop's data position
+    # then: the loop replaces that position when it takes the batch.
+    last_taken: Prepared | None = None
+    position_before: Mapping[str, Any] | None = None
 
     def next_batch() -> Prepared | None:
-      nonlocal data_ended
+      nonlocal data_ended, last_taken, position_before
       prepared = self._next(prefetcher)
       data_ended = data_ended or prepared is None
+      if prepared is not None:
+        last_taken, position_before = prepared, None if self._loop is None else self._loop.data
       return prepared
+
+    def unapplied() -> tuple[Prepared, ...]:
+      """The newest batch taken, unless the loop applied it or holds it in flight.
+
+      Only that batch can be untaken: the first of a fit that trained
+      nothing, one that arrived after a stop was requested, one looked at
+      past num_steps.
+      """
+      untaken = last_taken is not None and self._loop.data is position_before
+      return (last_taken,) if untaken else ()
 
     previous_handlers = install_stop_handlers(self._stop_requested)
     progress = None
@@ -473,7 +489,7 @@ class Trainer:
       if not self._start(first, train_data, history):
         history.final_step = 0 if self.state is None else int(self.state.step)
         return history
-      data_at_start = self._loop.data  # a batch the loop takes replaces it (`_taken`)
+      last_taken, position_before = first, self._loop.data  # as restored by `_start`
       check_agreement("fit arguments", {
           "num_steps": num_steps, "epochs": epochs, "eval_every": eval_every,
           "eval_data": eval_data is not None, "step": int(self.state.step),
@@ -494,7 +510,8 @@ class Trainer:
       for callback in callbacks:
         callback.on_fit_start(self, int(self.state.step))
       end = self._step_end(history, progress, callbacks, eval_data, eval_every)
-      schedule = Schedule(self._steps, next_batch, self._stopping, num_steps)
+      schedule = Schedule(self._steps, next_batch, self._stopping, self._stop.is_set,
+                          num_steps)
       steps = pipelined_steps if self.config.pipelining else sync_steps
       for result in steps(schedule, self._loop, first):
         self._loop = result.state
@@ -503,15 +520,12 @@ class Trainer:
       history.interrupted = self._stopping()
       check_agreement("end of fit", {"step": step, "interrupted": history.interrupted},
                       hint=_SAME_STEPS)
-      first_taken = first is None or self._loop.data is not data_at_start
-      unapplied = () if first_taken else (first,)
-      if first_taken and not (data_ended or history.interrupted or self.config.pipelining):
+      if not (data_ended or history.interrupted or self.config.pipelining or unapplied()):
         # Stopped at num_steps without looking past the last batch, where a
         # pipelined fit takes the next one (its lookup): a fit ending with
         # the data sees the end in both modes (the next fit starts anew).
-        peeked = next_batch()
-        unapplied = () if peeked is None else (peeked,)
-      self._fit_data.hand_on(train_data, epochs, prefetcher, unapplied,
+        next_batch()
+      self._fit_data.hand_on(train_data, epochs, prefetcher, unapplied(),
                              interrupted=history.interrupted, data_ended=data_ended)
       evaluated = bool(history.evaluations) and history.evaluations[-1][0] == step
       if not history.interrupted and eval_data is not None and not evaluated:
@@ -619,12 +633,17 @@ class Trainer:
 
     A global batch needs every process's slice: when one process's data ends,
     every process ends there (the others' remaining batches are not used).
+    The same exchange agrees on a stop requested on any process meanwhile
+    (while this process waited for its data, say): it sets `_stop`.
     """
     try:
       prepared = next(prefetcher)
     except StopIteration:
       prepared = None
-    if self._any_process(prepared is None)[0] and prepared is not None:
+    ended, stop = self._any_process(prepared is None, self._stop_requested.is_set())
+    if stop:
+      self._stop.set()  # agreed here, at no extra exchange (`Schedule.stopped`)
+    if ended and prepared is not None:
       _LOG.warning(
           "process %d: another process's data ended before this process's; the global batches"
           " end there and this process's remaining batches are not used. Give every process"

@@ -6,6 +6,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import optax
@@ -242,6 +244,46 @@ def test_a_chunk_that_ends_with_the_data_ends_its_stream_in_both_modes(pipelinin
   data = iter(batches)
   assert one_shot.fit(data, num_steps=5).final_step == 5
   assert one_shot.fit(data).final_step == 5  # nothing left to train on
+
+
+@pytest.mark.parametrize("pipelining", [True, False])
+@pytest.mark.parametrize("one_shot", [True, False])
+def test_a_stop_requested_while_fit_waits_for_a_batch_leaves_that_batch_untaken(
+    pipelining, one_shot):
+  """A stop request (Ctrl-C) while fit waits for a slow iterator takes effect when
+  the batch arrives: it is not applied (nor looked up), and the next fit starts with it."""
+  batches = make_batches(7, seed=90)
+  # The loop waits for batch 3 after update 3 (synchronous) or before it
+  # (pipelined: update 3 runs beside batch 3's lookup).
+  waiting_after = 2 if pipelining else 3
+  loop_waits = threading.Event()
+
+  def slow_data():
+    for index, batch in enumerate(batches):
+      if index == 3:
+        loop_waits.wait(timeout=30)
+        time.sleep(0.3)  # the loop is now inside its wait for this batch
+        trainer.request_stop()
+      yield batch
+
+  trainer = make_trainer(None, pipelining)
+  data = slow_data() if one_shot else _Replayed(slow_data)
+  history = trainer.fit(data, callbacks=[AtStep(waiting_after, lambda _: loop_waits.set())])
+  assert history.interrupted and history.final_step == waiting_after
+  assert trainer.fit(data).final_step == 7
+  reference = make_trainer(None, pipelining)
+  reference.fit(batches)
+  assert_same_run(trainer, reference)
+
+
+class _Replayed:
+  """A re-iterable whose every pass is `make()`."""
+
+  def __init__(self, make):
+    self._make = make
+
+  def __iter__(self):
+    return self._make()
 
 
 @pytest.mark.parametrize("num_steps", [3, 4, 5])
