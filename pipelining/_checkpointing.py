@@ -281,6 +281,13 @@ class TrainerCheckpoints:
           " optimizer the checkpoint was trained with, or train in another workdir."
       ) from error
     dense = restored["dense"]
+    stored_step = int(np.asarray(dense["step"].addressable_data(0)))
+    if stored_step != step:
+      raise IncompatibleCheckpointError(
+          f"{self.directory / str(step)} holds the state after {stored_step} updates, not"
+          f" {step}: the step folder was renamed or copied by hand. Resuming it would count"
+          f" the steps wrongly; rename it back to {stored_step} or remove it."
+      )
     tables = restored["embedding"]
     state = TrainState(
         dense["params"], dense["opt_state"], EmbeddingVariables(dict(tables.tables), {

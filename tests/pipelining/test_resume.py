@@ -286,6 +286,15 @@ class _Replayed:
     return self._make()
 
 
+def test_a_step_folder_renamed_by_hand_is_refused_naming_its_real_step(tmp_path):
+  batches = make_batches(4, seed=91)
+  make_trainer(tmp_path, False).fit(batches)
+  (tmp_path / "checkpoints" / "4").rename(tmp_path / "checkpoints" / "9")
+  with pytest.raises(CheckpointError, match=r"holds the state after 4 updates, not 9: the step"
+                     r" folder was renamed or copied by hand.* rename it back to 4"):
+    make_trainer(tmp_path, False).fit(batches)
+
+
 @pytest.mark.parametrize("num_steps", [3, 4, 5])
 def test_a_synchronous_fit_resuming_a_pipelined_checkpoint_stops_at_num_steps(tmp_path, num_steps):
   """The in-flight batch of a pipelined checkpoint counts toward num_steps."""
