@@ -4,7 +4,7 @@ Adam and LaProp both keep 'mu' and 'nu' as wide as the table, and a custom
 rule may name its slots like any built-in one, so slot names and widths
 cannot tell their meaning. The manifest records the optimizer per group;
 every restore path refuses another optimizer (SlotMismatchError) and every
-writer (full save, conversion) keeps the record. The
+writer (full save, delta, conversion, compaction) keeps the record. The
 oracle: the logical per-table numpy arrays of `ckpt_testlib.Model`, random
 and never zero, compared bit for bit.
 """
@@ -21,6 +21,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import checkpoint as ck
+from checkpoint._compact import compact
 from checkpoint.cli import main
 from ckpt_testlib import AXIS, make_mesh, make_model
 from sc_framework.optimizers import (
@@ -34,6 +35,7 @@ from sc_framework.optimizers import (
     RowWiseAdagrad,
     SlotSpec,
 )
+from sc_framework.stacking import logical_to_global_rows
 from tests.numerics import assert_same_bits
 
 
@@ -331,3 +333,142 @@ def test_inspect_shows_the_optimizer(mixed, tmp_path, capsys):
   assert main(["inspect", str(tmp_path / "unstacked")]) == 0
   out = capsys.readouterr().out
   assert "table 'a'" in out and "optimizer=adam" in out, out
+
+
+# ---------------------------------------------------------------------------
+# Deltas and compaction.
+
+
+def _touch(model, layout, tracker, rng):
+  """Changes 5 random rows of every table and slot; records them in `tracker`."""
+  for name, table in model.logical.items():
+    rows = rng.choice(table.shape[0], size=5, replace=False)
+    table[rows] += rng.standard_normal((5, table.shape[1])).astype(table.dtype)
+    for slot in model.slots[name].values():
+      slot[rows] += rng.random((5, slot.shape[1])).astype(slot.dtype)
+    tracker.add(layout.stack_of_table(name).name, logical_to_global_rows(layout, name, rows))
+
+
+def _chain(root, model, layout, steps, **save):
+  """Saves steps 0..steps-1 with an incremental manager (0 full, then deltas)."""
+  rng = np.random.default_rng(7)
+  tracker = ck.UpdatedRows(layout)
+  with ck.CheckpointManager(root, keep_latest=10, incremental=ck.IncrementalPolicy()) as mngr:
+    for step in range(steps):
+      if step:
+        _touch(model, layout, tracker, rng)
+      tables, slots = model.state(layout)
+      assert mngr.save(step, ck.EmbeddingSave(tables, slots, layout, **save),
+                       updated_rows=tracker, force=True)
+      mngr.wait_until_finished()
+
+
+def _is_delta(root, step):
+  return (root / str(step) / "embedding" / "parts").exists()
+
+
+def test_deltas_and_compaction_keep_the_record(tmp_path):
+  model = _model(Adam(0.1), seed=5)
+  layout = model.layout([["a", "b"]], 2)
+  root = tmp_path / "root"
+  _chain(root, model, layout, 3, optimizers=model.optimizers(layout))
+  assert _is_delta(root, 2)
+  assert set(_recorded(root / "2" / "embedding").values()) == {"adam"}
+  with ck.CheckpointManager(root, read_only=True) as mngr:
+    with pytest.raises(ck.SlotMismatchError, match=r"'laprop'.*2/embedding.*'adam'"):
+      mngr.restore(2, ck.EmbeddingRestore(layout, make_mesh(2), AXIS,
+                                          optimizers=_optimizers(layout, LaProp(0.1))))
+    state = mngr.restore(2, ck.EmbeddingRestore(
+        layout, make_mesh(2), AXIS, optimizers=_optimizers(layout, Adam(0.5))))["embedding"]
+  model.check(layout, state.tables, state.slots)
+  assert compact(root / "2")
+  assert not _is_delta(root, 2)
+  assert set(_recorded(root / "2" / "embedding").values()) == {"adam"}
+  with pytest.raises(ck.SlotMismatchError, match=r"'laprop'.*'adam'"):
+    _restore(root / "2" / "embedding", layout, optimizers=_optimizers(layout, LaProp(0.1)))
+  restored = _restore(root / "2" / "embedding", layout, optimizers=model.optimizers(layout))
+  model.check(layout, restored.tables, restored.slots)
+
+
+def test_a_chain_on_a_legacy_base_takes_the_record_of_its_deltas(tmp_path):
+  """Base saved with slot_specs (no record), deltas with optimizers: the chain knows Adam."""
+  model = _model(Adam(0.1), seed=6)
+  layout = model.layout([["a", "b"]], 2)
+  root = tmp_path / "root"
+  rng = np.random.default_rng(8)
+  tracker = ck.UpdatedRows(layout)
+  with ck.CheckpointManager(root, keep_latest=10, incremental=ck.IncrementalPolicy()) as mngr:
+    for step, save in enumerate([{"slot_specs": model.slot_specs(layout)},
+                                 {"optimizers": model.optimizers(layout)}]):
+      if step:
+        _touch(model, layout, tracker, rng)
+      tables, slots = model.state(layout)
+      mngr.save(step, ck.EmbeddingSave(tables, slots, layout, **save),
+                updated_rows=tracker, force=True)
+      mngr.wait_until_finished()
+  assert _is_delta(root, 1)
+  reader = ck.open_reader(root / "1" / "embedding")
+  assert reader.optimizer_name("a") == "adam"
+  with pytest.raises(ck.SlotMismatchError, match=r"'laprop'.*'adam'"):
+    _restore(root / "1" / "embedding", layout, optimizers=_optimizers(layout, LaProp(0.1)))
+  restored = _restore(root / "1" / "embedding", layout, optimizers=model.optimizers(layout))
+  model.check(layout, restored.tables, restored.slots)
+  assert "optimizer=adam" in ck.format_description(ck.inspect(root / "1"))
+
+
+def test_a_delta_of_another_optimizer_is_refused(tmp_path):
+  """A delta written on a chain of another optimizer (only by hand) does not read."""
+  model = _model(Adam(0.1), seed=9)
+  layout = model.layout([["a", "b"]], 2)
+  root = tmp_path / "root"
+  _chain(root, model, layout, 1, optimizers=model.optimizers(layout))
+  tables, slots = model.state(layout)
+  delta = ck.Delta({layout.stack_names[0]: np.array([0, 3])}, parent_step=0, base_step=0)
+  with ocp.Checkpointer(ck.EmbeddingCheckpointHandler()) as ckptr:
+    ckptr.save(root / "1" / "embedding", args=ck.EmbeddingSave(
+        tables, slots, layout, optimizers=_optimizers(layout, LaProp(0.1)), delta=delta))
+  with pytest.raises(ck.IncompatibleCheckpointError, match=r"optimizer 'laprop'.*optimizer 'adam'"):
+    ck.open_reader(root / "1" / "embedding")
+
+
+@pytest.mark.parametrize("optimizer", [LaProp(0.1), FTRL(0.1)], ids=["same_slots", "other_slots"])
+def test_after_a_reset_the_next_save_starts_a_new_chain(tmp_path, optimizer):
+  """A delta of reset slots on a chain of the old optimizer would not read back."""
+  model = _model(Adam(0.1), seed=10)
+  layout = model.layout([["a", "b"]], 2)
+  root = tmp_path / "root"
+  _chain(root, model, layout, 2, optimizers=model.optimizers(layout))
+  assert _is_delta(root, 1)
+  target = _optimizers(layout, optimizer)
+  policy = ck.IncrementalPolicy()
+  with ck.CheckpointManager(root, keep_latest=10, incremental=policy) as mngr:
+    state = mngr.restore(None, ck.EmbeddingRestore(
+        layout, make_mesh(2), AXIS, optimizers=target, on_slot_mismatch="reset"))["embedding"]
+    model.check(layout, state.tables)
+    tracker = ck.UpdatedRows(layout)
+    tracker.add(layout.stack_names[0], np.array([0, 5]))
+    embedding = ck.EmbeddingSave(state.tables, state.slots, layout, optimizers=target)
+    with pytest.raises(ValueError, match=r"save_kind='delta'.*chain of step 1.*full"):
+      mngr.save(2, embedding, updated_rows=tracker, force=True, save_kind="delta")
+    assert mngr.save(2, embedding, updated_rows=tracker, force=True)
+    mngr.wait_until_finished()
+  assert not _is_delta(root, 2)
+  assert set(_recorded(root / "2" / "embedding").values()) == {optimizer.kind}
+  restored = _restore(root / "2" / "embedding", layout, optimizers=target)
+  model.check(layout, restored.tables)
+  for stack, slots in restored.slots.items():
+    for name, array in slots.items():
+      assert_same_bits(np.asarray(array), np.asarray(state.slots[stack][name]), err_msg=name)
+  # The same optimizer retuned continues the chain.
+  root = tmp_path / "retuned"
+  _chain(root, model, layout, 1, optimizers=model.optimizers(layout))
+  with ck.CheckpointManager(root, keep_latest=10, incremental=policy) as mngr:
+    retuned = _optimizers(layout, Adam(0.01))
+    state = mngr.restore(None, ck.EmbeddingRestore(layout, make_mesh(2), AXIS,
+                                                   optimizers=retuned))["embedding"]
+    tracker = ck.UpdatedRows(layout)
+    tracker.add(layout.stack_names[0], np.array([1]))
+    assert mngr.save(1, ck.EmbeddingSave(state.tables, state.slots, layout, optimizers=retuned),
+                     updated_rows=tracker, force=True, save_kind="delta")
+    mngr.wait_until_finished()
+  assert _is_delta(root, 1)
