@@ -19,7 +19,7 @@ not checked either.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from sc_framework.optimizers import CustomOptimizer, OptimizerSpec, SlotSpec
 
@@ -37,7 +37,7 @@ def optimizer_name(optimizer: OptimizerSpec) -> str:
 
 def resolve(
     what: str,
-    stacks: Iterable[str],
+    stacks: Sequence[str],
     slot_specs: Mapping[str, Sequence[SlotSpec]] | None,
     optimizers: Mapping[str, OptimizerSpec] | None,
 ) -> tuple[dict[str, tuple[SlotSpec, ...]] | None, dict[str, str]]:
