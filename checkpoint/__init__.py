@@ -3,15 +3,22 @@
 Save (inside any Orbax checkpointer or manager; asynchronous by default):
 
   mngr = checkpoint.CheckpointManager(directory, keep_latest=3)
-  mngr.save(step, checkpoint.EmbeddingSave(tables, slots, layout, slot_specs),
+  mngr.save(step, checkpoint.EmbeddingSave(tables, slots, layout, optimizers=optimizers),
             items={"params": ocp.args.StandardSave(params)})
+
+(`optimizers`: stack -> its sparse optimizer; the checkpoint records which
+optimizer owns the slots, and a restore into another one is a
+SlotMismatchError even where the slots have the same names, as Adam's and
+LaProp's do. `slot_specs` instead saves the slots without that record.)
 
 Restore into the same layout, or any other layout of the same tables (other
 stacking groups, device count G or shards per device S) on the caller's mesh,
 each device reading only the rows it will hold; or per-table host arrays,
 optionally some tables or a row range:
 
-  state = mngr.restore(None, checkpoint.EmbeddingRestore(layout, mesh, "table"))["embedding"]
+  state = mngr.restore(
+      None, checkpoint.EmbeddingRestore(layout, mesh, "table", optimizers=optimizers)
+  )["embedding"]
   arrays = mngr.restore(None, checkpoint.TableRestore(rows={"users": (0, 1000)}))["embedding"]
 
 Incremental saves: `CheckpointManager(..., incremental=IncrementalPolicy())`

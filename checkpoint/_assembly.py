@@ -3,10 +3,12 @@
 Restoring into a layout (on a mesh) and converting to a layout (offline) share
 this assembly. For every target stack it fixes the dtypes, the slot variables
 (those stored with its tables, or the caller's, which must match unless they
-are reset) and whether the fast path applies: when the target stack places
-its tables exactly as a stored stack does (same N, R, D' and, per table, the
-same V, D, V', o, r; G and S may differ), global row g of the target is global
-row g of the stored stack, so a device block is one contiguous read.
+are reset: the same names and widths, and the same optimizer where both the
+checkpoint and the caller name it, see `_optimizers`) and whether the fast
+path applies: when the target stack places its tables exactly as a stored
+stack does (same N, R, D' and, per table, the same V, D, V', o, r; G and S
+may differ), global row g of the target is global row g of the stored stack,
+so a device block is one contiguous read.
 Otherwise each block is assembled table by table: for table k the logical
 rows in target rows [start, stop) (`table_row_runs_in_block`: one run of
 logical rows i0, i0 + N, ... per shard) are copied from the checkpoint
@@ -23,6 +25,7 @@ from typing import Literal
 
 import numpy as np
 
+from checkpoint import _optimizers
 from checkpoint._errors import IncompatibleCheckpointError, MissingTableError, SlotMismatchError
 from checkpoint._reader import CheckpointReader
 from checkpoint._storage import host_buffer
@@ -44,6 +47,8 @@ class StackAssembly:
     reset_slots: the slots start from their initial values (nothing is read).
     same_placement_group: the stored stack whose global rows equal the
       target's (the fast path), or None.
+    optimizer: the name of the optimizer owning the slots (`_optimizers`):
+      the caller's, else the one recorded for every table; None if unknown.
   """
 
   stack: StackLayout
@@ -52,6 +57,7 @@ class StackAssembly:
   slot_dtypes: dict[str, np.dtype]
   reset_slots: bool
   same_placement_group: str | None
+  optimizer: str | None = None
 
   def slot_spec(self, name: str) -> SlotSpec:
     return next(spec for spec in self.slot_specs if spec.name == name)
@@ -70,7 +76,7 @@ def check_tables(reader: CheckpointReader, layout: EmbeddingLayout) -> None:
   if missing:
     raise MissingTableError(
         f"the target layout needs tables {missing}, which are not in the checkpoint"
-        f" {reader.directory}; it holds {sorted(reader.table_names)}. Restore into a layout"
+        f" {reader.item}; it holds {sorted(reader.table_names)}. Restore into a layout"
         " built from the checkpoint's tables, or initialise the new tables separately."
     )
   for stack in layout.stacks:
@@ -79,7 +85,7 @@ def check_tables(reader: CheckpointReader, layout: EmbeddingLayout) -> None:
       wanted = (table.vocabulary_size, table.embedding_dim)
       if stored != wanted:
         raise IncompatibleCheckpointError(
-            f"table {table.name!r}: the checkpoint {reader.directory} stores vocabulary_size="
+            f"table {table.name!r}: the checkpoint {reader.item} stores vocabulary_size="
             f"{stored[0]}, embedding_dim={stored[1]} but the target layout has vocabulary_size="
             f"{wanted[0]}, embedding_dim={wanted[1]}. A table keeps its shape across layouts;"
             " fix the TableSpec or restore the old shape and migrate the rows yourself."
@@ -91,6 +97,7 @@ def assemble_stacked(
     layout: EmbeddingLayout,
     *,
     slot_specs: Mapping[str, Sequence[SlotSpec]] | None = None,
+    optimizer_names: Mapping[str, str] | None = None,
     on_slot_mismatch: OnSlotMismatch = "error",
     dtype=None,
 ) -> dict[str, StackAssembly]:
@@ -101,9 +108,13 @@ def assemble_stacked(
     layout: the target layout.
     slot_specs: target stack -> slot declarations; None keeps the slots stored
       with the tables.
+    optimizer_names: target stack -> the name of its optimizer
+      (`_optimizers.optimizer_name`); stacks left out, or None, are unknown.
     on_slot_mismatch: 'error' raises SlotMismatchError when `slot_specs`
-      differ (by slot names and widths) from the stored ones; 'reset' starts
-      every slot of such a stack from its initial value instead.
+      differ (by slot names and widths) from the stored ones, or when a
+      stack's optimizer name differs from the one the checkpoint records for
+      one of its tables; 'reset' starts every slot of such a stack from its
+      initial value instead.
     dtype: the table dtype expected; None accepts the stored one.
 
   Raises:
@@ -112,39 +123,37 @@ def assemble_stacked(
   if on_slot_mismatch not in ("error", "reset"):
     raise ValueError(f"on_slot_mismatch must be 'error' or 'reset', got {on_slot_mismatch!r}.")
   check_tables(reader, layout)
-  if slot_specs is not None:
-    unknown = sorted(set(slot_specs) - set(layout.stack_names))
+  optimizer_names = dict(optimizer_names or {})
+  for what, keys in (("slot_specs", slot_specs or {}), ("optimizer_names", optimizer_names)):
+    unknown = sorted(set(keys) - set(layout.stack_names))
     if unknown:
-      raise ValueError(f"slot_specs names stacks {unknown} that the target layout does not have.")
+      raise ValueError(f"{what} names stacks {unknown} that the target layout does not have.")
   assemblies = {}
   for stack in layout.stacks:
     names = stack.table_names
     table_dtype = _common_dtype(reader, stack, names, None, dtype)
     stored = {name: reader.slot_specs(name) for name in names}
+    stored_optimizers = {name: reader.optimizer_name(name) for name in names}
+    target = optimizer_names.get(stack.name)
     reset = False
     if slot_specs is None:
-      specs = _common_slots(reader, stack, stored)
+      specs = _common_slots(reader, stack, stored, stored_optimizers)
     else:
       specs = tuple(slot_specs.get(stack.name, ()))
-      mismatched = [name for name in names if _signature(stored[name]) != _signature(specs)]
-      if mismatched:
+      problem = _slot_problem(reader, stack, specs, target, stored, stored_optimizers)
+      if problem is not None:
         if on_slot_mismatch == "error":
-          name = mismatched[0]
-          raise SlotMismatchError(
-              f"stack {stack.name!r}: the target optimizer keeps slots {_signature(specs)} but the"
-              f" checkpoint {reader.directory} stores table {name!r} with slots"
-              f" {_signature(stored[name])} (name, width). Restore with the optimizer the"
-              " checkpoint was trained with, or pass on_slot_mismatch='reset' to start this"
-              " stack's slots from their initial values."
-          )
+          raise SlotMismatchError(problem)
         reset = True
     slot_dtypes = {}
     for spec in specs:
       slot_dtypes[spec.name] = (
           np.dtype(np.float32) if reset else _common_dtype(reader, stack, names, spec.name, None)
       )
+    if target is None and not reset:
+      target = _optimizers.common_name(stored_optimizers)
     assemblies[stack.name] = StackAssembly(
-        stack, table_dtype, specs, slot_dtypes, reset, _same_placement_group(reader, stack)
+        stack, table_dtype, specs, slot_dtypes, reset, _same_placement_group(reader, stack), target
     )
   return assemblies
 
@@ -153,19 +162,83 @@ def _signature(specs: Sequence[SlotSpec]) -> list[tuple[str, int | None]]:
   return sorted((spec.name, spec.width) for spec in specs)
 
 
+def _slot_problem(
+    reader,
+    stack: StackLayout,
+    specs: tuple[SlotSpec, ...],
+    target: str | None,
+    stored: dict[str, tuple[SlotSpec, ...]],
+    stored_optimizers: dict[str, str | None],
+) -> str | None:
+  """Why the stored slots cannot become the target stack's `specs` (the error), or None."""
+  advice = (
+      " Restore with the optimizer the checkpoint was trained with, or pass"
+      " on_slot_mismatch='reset' to start this stack's slots from their initial values."
+  )
+  for name in stack.table_names:
+    if _signature(stored[name]) != _signature(specs):
+      return (
+          f"stack {stack.name!r}: the target optimizer{_named(target)} keeps slots"
+          f" {_signature(specs)} but the checkpoint {reader.item} stores table {name!r}"
+          f"{_trained_with(stored_optimizers[name])} with slots {_signature(stored[name])}"
+          f" (name, width).{advice}"
+      )
+  for name in stack.table_names:
+    if target is not None and stored_optimizers[name] not in (None, target):
+      return (
+          f"stack {stack.name!r}: the target optimizer is {target!r} but the checkpoint"
+          f" {reader.item} stores table {name!r} with the slots of optimizer"
+          f" {stored_optimizers[name]!r}. Both keep slots {_signature(specs)} (name, width), but"
+          f" not the same quantities in them.{advice}"
+      )
+  conflict = None if target is not None else _optimizers.conflict(stored_optimizers)
+  if conflict is not None:
+    return (
+        f"{_mixed_optimizers(reader, stack, conflict)} Stack them apart, or pass"
+        " on_slot_mismatch='reset' to start this stack's slots from their initial values."
+    )
+  return None
+
+
+def _named(optimizer: str | None) -> str:
+  return "" if optimizer is None else f" {optimizer!r}"
+
+
+def _trained_with(optimizer: str | None) -> str:
+  return "" if optimizer is None else f" (trained with {optimizer!r})"
+
+
+def _mixed_optimizers(reader, stack: StackLayout, conflict) -> str:
+  (first, first_optimizer), (other, other_optimizer) = conflict
+  return (
+      f"stack {stack.name!r} puts tables {first!r} and {other!r} together, but the checkpoint"
+      f" {reader.item} stores them with the slots of different optimizers"
+      f" ({first_optimizer!r} vs {other_optimizer!r}): tables of one stack share one optimizer."
+  )
+
+
 def _common_slots(
-    reader, stack: StackLayout, stored: dict[str, tuple[SlotSpec, ...]]
+    reader,
+    stack: StackLayout,
+    stored: dict[str, tuple[SlotSpec, ...]],
+    stored_optimizers: dict[str, str | None],
 ) -> tuple[SlotSpec, ...]:
   first_name, first = next(iter(stored.items()))
   for name, specs in stored.items():
     if tuple(specs) != tuple(first):
       raise SlotMismatchError(
           f"stack {stack.name!r} puts tables {first_name!r} and {name!r} together, but the"
-          f" checkpoint {reader.directory} stores them with different optimizer slots"
+          f" checkpoint {reader.item} stores them with different optimizer slots"
           f" ({list(first)}"
           f" vs {list(specs)}): tables of one stack share one optimizer. Stack them apart, or pass"
           " slot_specs with on_slot_mismatch='reset'."
       )
+  conflict = _optimizers.conflict(stored_optimizers)
+  if conflict is not None:
+    raise SlotMismatchError(
+        f"{_mixed_optimizers(reader, stack, conflict)} Stack them apart, or pass optimizers"
+        " with on_slot_mismatch='reset'."
+    )
   return tuple(first)
 
 
@@ -181,7 +254,7 @@ def _common_dtype(reader, stack: StackLayout, names, slot: str | None, wanted) -
   dtype = next(iter(dtypes.values()))
   if wanted is not None and np.dtype(wanted) != dtype:
     raise IncompatibleCheckpointError(
-        f"stack {stack.name!r}: the checkpoint {reader.directory} stores its {what} as"
+        f"stack {stack.name!r}: the checkpoint {reader.item} stores its {what} as"
         f" {dtype.name}, but {np.dtype(wanted).name} was requested. Convert the checkpoint"
         f" first (`sc-checkpoint convert SRC DST --table-dtype {np.dtype(wanted).name}`, or"
         " checkpoint.convert(..., table_dtype=...)), or restore with dtype=None and cast the"

@@ -14,6 +14,11 @@ deltas hold and, for each, the newest delta that holds it (the ids of every
 delta are read once, on construction); values are read only for the rows a
 request asks for. A delta's ids are global rows of its own layout, mapped to
 logical rows of its tables, so base and deltas may use different layouts.
+
+A chain keeps its tables' shapes, slots and dtypes (`table_states`) and the
+optimizer owning each table's slots where its links record one
+(`_optimizers`); a delta that changes any of them is refused, and a
+manager does not write one (`continues_chain`).
 """
 
 from __future__ import annotations
@@ -26,10 +31,14 @@ from etils import epath
 from checkpoint import _integrity, _storage
 from checkpoint._delta import DeltaItem, DeltaManifest, is_delta_manifest
 from checkpoint._direct import ChunkCache
-from checkpoint._errors import CorruptCheckpointError, IncompatibleCheckpointError
-from checkpoint._format import MANIFEST_FILE
+from checkpoint._errors import (
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+    NotACheckpointError,
+)
+from checkpoint._format import LAYOUT_FILE, MANIFEST_FILE, Manifest
 from checkpoint._reader import CheckpointReader
-from sc_framework.stacking import global_to_logical_rows, logical_to_global_rows
+from sc_framework.stacking import EmbeddingLayout, global_to_logical_rows, logical_to_global_rows
 
 
 # A source's run of positions is read whole when at least 1 in _DENSE of it is needed.
@@ -120,6 +129,68 @@ def walk_chain(item: epath.PathLike) -> list[tuple[epath.Path, DeltaManifest | N
     current, needed_by = parent, current
 
 
+def table_states(
+    manifest: Manifest, layout: EmbeddingLayout | None
+) -> dict[str, tuple[dict, str | None]]:
+  """Table -> (what a chain keeps of it, its recorded optimizer name or None).
+
+  What a chain keeps: the table's shape (V, D), its slot declarations, and the
+  dtypes of its table and slot arrays.
+  """
+  out = {}
+  for group in manifest.groups:
+    if layout is None:
+      tables = [(group.name, tuple(group.table.shape))]
+    else:
+      tables = [
+          (t.name, (t.vocabulary_size, t.embedding_dim)) for t in layout.stack(group.name).tables
+      ]
+    for name, shape in tables:
+      kept = {
+          "shape": shape,
+          "slots": group.slot_specs,
+          "dtype": group.table.dtype,
+          "slot dtypes": {slot: info.dtype for slot, info in group.slots.items()},
+      }
+      out[name] = (kept, group.optimizer)
+  return out
+
+
+def _link_states(item: epath.Path, manifest: DeltaManifest | None):
+  """`table_states` of one link of a chain (a full item or a delta)."""
+  if manifest is not None:
+    state = manifest.state
+  else:
+    state = Manifest.from_dict(read_item_manifest(item), str(item / MANIFEST_FILE))
+  layout = None
+  if state.kind == "stacked":
+    layout = EmbeddingLayout.from_json((item / LAYOUT_FILE).read_text())
+  return table_states(state, layout)
+
+
+def continues_chain(parent: epath.PathLike, state: Manifest, layout: EmbeddingLayout) -> bool:
+  """Whether a delta of `state` (in `layout`) saved after item `parent` would read back.
+
+  It would if its tables are the chain's base tables with the same shapes,
+  slots and dtypes, and no link records another optimizer for them (see
+  `ChainReader`). Not so, for instance, after a restore that reset the slots
+  of another optimizer: a full save must start a new chain. False also when
+  the chain cannot be read.
+  """
+  try:
+    links = [_link_states(item, manifest) for item, manifest in walk_chain(parent)]
+  except (CorruptCheckpointError, NotACheckpointError, OSError, ValueError):
+    return False
+  for table, (kept, optimizer) in table_states(state, layout).items():
+    if table not in links[0] or links[0][table][0] != kept:
+      return False
+    if optimizer is not None and any(
+        link[table][1] not in (None, optimizer) for link in links if table in link
+    ):
+      return False
+  return True
+
+
 def open_reader(item: epath.PathLike, *,
                 chunk_cache: ChunkCache | None = None) -> CheckpointReader:
   """A reader of any embedding item: `CheckpointReader` if full, `ChainReader` if a delta.
@@ -184,6 +255,8 @@ class ChainReader(CheckpointReader):
     self.item = epath.Path(item)
     self.base_directory = links[0][0]
     self.deltas = [DeltaItem(path, manifest) for path, manifest in links[1:]]
+    self._base_states = table_states(self.manifest, self.layout)
+    self._optimizer_names = {table: name for table, (_, name) in self._base_states.items()}
     for delta in self.deltas:
       self._check_delta(delta)
     self._sources: list[tuple[DeltaItem, int, str]] = []  # (delta, part, its stack)
@@ -191,36 +264,38 @@ class ChainReader(CheckpointReader):
     self._by_group: dict[str, _Overlay] = {}
     self._group_lock = threading.Lock()
 
-  def _check_delta(self, delta: DeltaItem) -> None:
-    for stack in delta.layout.stacks:
-      group = delta.manifest.state.group(stack.name)
-      for table in stack.tables:
-        if table.name not in self.table_names:
-          raise IncompatibleCheckpointError(
-              f"delta {delta.directory} updates table {table.name!r}, which its base"
-              f" {self.base_directory} does not hold (it holds {sorted(self.table_names)})."
-          )
-        found = {
-            "shape": (table.vocabulary_size, table.embedding_dim),
-            "slots": group.slot_specs,
-            "dtype": group.table.dtype,
-            "slot dtypes": {name: info.dtype for name, info in group.slots.items()},
-        }
-        base_group = self.group_of(table.name)
-        wanted = {
-            "shape": self.table_shape(table.name),
-            "slots": base_group.slot_specs,
-            "dtype": base_group.table.dtype,
-            "slot dtypes": {name: info.dtype for name, info in base_group.slots.items()},
-        }
-        for key in found:
-          if found[key] != wanted[key]:
-            raise IncompatibleCheckpointError(
-                f"delta {delta.directory} stores table {table.name!r} with {key}"
-                f" {found[key]} but its base {self.base_directory} has {wanted[key]}; a chain"
-                " keeps its tables. Save a full checkpoint after changing tables or optimizer."
-            )
+  def optimizer_name(self, table: str) -> str | None:
+    """As `CheckpointReader.optimizer_name`: the base's, else the one a delta records."""
+    self._table(table)  # Raises MissingTableError naming the table.
+    return self._optimizer_names.get(table)
 
+  def _check_delta(self, delta: DeltaItem) -> None:
+    """Raises unless the delta keeps its tables as the base has them (`table_states`)."""
+    for table, (found, optimizer) in table_states(delta.manifest.state, delta.layout).items():
+      if table not in self._base_states:
+        raise IncompatibleCheckpointError(
+            f"delta {delta.directory} updates table {table!r}, which its base"
+            f" {self.base_directory} does not hold (it holds {sorted(self.table_names)})."
+        )
+      wanted = self._base_states[table][0]
+      for key in found:
+        if found[key] != wanted[key]:
+          raise IncompatibleCheckpointError(
+              f"delta {delta.directory} stores table {table!r} with {key}"
+              f" {found[key]} but its base {self.base_directory} has {wanted[key]}; a chain"
+              " keeps its tables. Save a full checkpoint after changing tables or optimizer."
+          )
+      known = self._optimizer_names.get(table)
+      if optimizer is not None and known not in (None, optimizer):
+        raise IncompatibleCheckpointError(
+            f"delta {delta.directory} stores table {table!r} with the slots of optimizer"
+            f" {optimizer!r}, but the steps before it in its chain (base"
+            f" {self.base_directory}) hold them for optimizer {known!r}; a chain keeps its"
+            " optimizer. Restore a step before this delta; after changing the optimizer,"
+            " save a full checkpoint."
+        )
+      if optimizer is not None:
+        self._optimizer_names[table] = optimizer
 
   def _index(self) -> dict[str, _Overlay]:
     """Table -> the overlay of its logical rows that the deltas hold."""

@@ -42,9 +42,10 @@ rows advance by N' (`table_row_runs_in_block`); each is a few strided slice
 copies per source chunk (`CheckpointReader.fill_strided_rows`), with no
 per-row index arrays.
 
-Slots follow their tables. A conversion A -> B -> A reproduces every logical
-row and slot bit for bit; padding rows and columns are 0 (tables) or the
-slot's initial value (slots).
+Slots follow their tables, with the optimizer recorded as owning them
+(`_optimizers`; tables of different optimizers cannot share a target stack).
+A conversion A -> B -> A reproduces every logical row and slot bit for bit;
+padding rows and columns are 0 (tables) or the slot's initial value (slots).
 """
 
 from __future__ import annotations
@@ -605,7 +606,8 @@ def _write_stacked(
     dtypes[(name, None)] = assembly.dtype if table_dtype is None else table_dtype
     dtypes.update({(name, spec.name): assembly.slot_dtypes[spec.name] for spec in assembly.slot_specs})
   slot_specs = {name: assembly.slot_specs for name, assembly in assemblies.items()}
-  manifest = _save.stacked_manifest(layout, dtypes, slot_specs, storage)
+  optimizers = {name: assembly.optimizer for name, assembly in assemblies.items()}
+  manifest = _save.stacked_manifest(layout, dtypes, slot_specs, storage, optimizers)
   writer = _Writer(out, manifest, progress, block_bytes // 2)
 
   def blocks():
@@ -649,11 +651,12 @@ def _write_unstacked(
 ) -> None:
   tables = {name: reader.table_shape(name) for name in reader.table_names}
   dtypes, slot_specs = {}, {}
+  optimizers = {name: reader.optimizer_name(name) for name in tables}
   for name in tables:
     slot_specs[name] = reader.slot_specs(name)
     dtypes[(name, None)] = reader.dtype(name) if table_dtype is None else table_dtype
     dtypes.update({(name, spec.name): reader.dtype(name, spec.name) for spec in slot_specs[name]})
-  manifest = _save.unstacked_manifest(tables, dtypes, slot_specs, storage)
+  manifest = _save.unstacked_manifest(tables, dtypes, slot_specs, storage, optimizers)
   writer = _Writer(out, manifest, progress, block_bytes // 2)
 
   def blocks():

@@ -342,12 +342,8 @@ def prepare_save(directory: epath.Path, args, *, primary: bool):
   delta: Delta = args.delta
   if not isinstance(delta, Delta):
     raise TypeError(f"EmbeddingSave.delta must be a checkpoint.Delta or None, got {delta!r}.")
-  specs = _save.check_state(args.layout, args.tables, args.slots, args.slot_specs)
+  state = _save.state_manifest(args)
   rows = union_across_processes(check_rows(args.layout, delta.rows))
-  dtypes = {(name, None): np.dtype(array.dtype) for name, array in args.tables.items()}
-  for stack, group in args.slots.items():
-    dtypes.update({(stack, slot): np.dtype(array.dtype) for slot, array in group.items()})
-  state = _save.stacked_manifest(args.layout, dtypes, specs, args.storage)
   manifest = DeltaManifest(int(delta.parent_step), int(delta.base_step), jax.process_count(), state)
   parts = snapshot(args, rows)
   return write(

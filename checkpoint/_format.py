@@ -13,6 +13,14 @@ where <name> and <slot> are encoded with `_names.encode_name`. A group is a
 stack (stacked kind) or a table (unstacked kind); every group holds its table
 array and one array per slot variable of its optimizer. Array paths are always
 recomputed from the names, never read from the file.
+
+A group's "optimizer" names the optimizer that wrote its slots
+(`_optimizers.optimizer_name`, e.g. 'adam'); it is optional, absent from
+checkpoints written before it existed or saved without knowing it. Being
+optional, it leaves the format version at 1: a reader of version 1 that
+predates the field ignores it and restores as it always did, and this
+reader restores a manifest without it as before (slots matched by name and
+width only).
 """
 
 from __future__ import annotations
@@ -52,12 +60,18 @@ class ArrayInfo:
 
 @dataclasses.dataclass(frozen=True)
 class GroupInfo:
-  """A stack (stacked kind) or a table (unstacked kind) and its arrays."""
+  """A stack (stacked kind) or a table (unstacked kind) and its arrays.
+
+  Attributes:
+    optimizer: the name of the optimizer that wrote the slots
+      (`_optimizers.optimizer_name`), or None where unknown.
+  """
 
   name: str
   table: ArrayInfo
   slot_specs: tuple[SlotSpec, ...]
   slots: dict[str, ArrayInfo]
+  optimizer: str | None = None
 
   @property
   def nbytes(self) -> int:
@@ -88,22 +102,7 @@ class Manifest:
         "format_version": FORMAT_VERSION,
         "kind": self.kind,
         "storage": self.storage.to_dict(),
-        "groups": [
-            {
-                "name": group.name,
-                "table": _array_to_dict(group.table),
-                "slots": [
-                    {
-                        "name": spec.name,
-                        "width": spec.width,
-                        "initial_value": spec.initial_value,
-                        "array": _array_to_dict(group.slots[spec.name]),
-                    }
-                    for spec in group.slot_specs
-                ],
-            }
-            for group in self.groups
-        ],
+        "groups": [_group_to_dict(group) for group in self.groups],
     }
 
   @classmethod
@@ -133,8 +132,17 @@ class Manifest:
           slots[spec.name] = _array_from_dict(slot["array"])
         if len(slots) != len(specs):
           raise ValueError(f"group {group['name']!r} names a slot twice")
+        optimizer = group.get("optimizer")
+        if optimizer is not None and (not isinstance(optimizer, str) or not optimizer):
+          raise ValueError(f"group {group['name']!r} has optimizer {optimizer!r}, not a name")
         groups.append(
-            GroupInfo(str(group["name"]), _array_from_dict(group["table"]), tuple(specs), slots)
+            GroupInfo(
+                str(group["name"]),
+                _array_from_dict(group["table"]),
+                tuple(specs),
+                slots,
+                optimizer,
+            )
         )
       names = [group.name for group in groups]
       if len(set(names)) != len(names):
@@ -146,6 +154,25 @@ class Manifest:
 
   def to_json(self) -> str:
     return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+
+def _group_to_dict(group: GroupInfo) -> dict[str, Any]:
+  out: dict[str, Any] = {
+      "name": group.name,
+      "table": _array_to_dict(group.table),
+      "slots": [
+          {
+              "name": spec.name,
+              "width": spec.width,
+              "initial_value": spec.initial_value,
+              "array": _array_to_dict(group.slots[spec.name]),
+          }
+          for spec in group.slot_specs
+      ],
+  }
+  if group.optimizer is not None:  # Absent where unknown, as in older checkpoints.
+    out["optimizer"] = group.optimizer
+  return out
 
 
 def _array_to_dict(info: ArrayInfo) -> dict[str, Any]:

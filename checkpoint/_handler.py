@@ -3,11 +3,12 @@
 Register-free use inside any Orbax composite:
 
   mngr = ocp.CheckpointManager(directory)
+  optimizers = {stack: plan.optimizer(stack) for stack in layout.stack_names}
   mngr.save(step, args=ocp.args.Composite(
-      embedding=EmbeddingSave(state.tables, state.slots, layout, slot_specs),
+      embedding=EmbeddingSave(state.tables, state.slots, layout, optimizers=optimizers),
       params=ocp.args.StandardSave(params)))
   restored = mngr.restore(step, args=ocp.args.Composite(
-      embedding=EmbeddingRestore(new_layout, mesh, "table")))
+      embedding=EmbeddingRestore(new_layout, mesh, "table", optimizers=new_optimizers)))
 
 `async_save` blocks only for the device-to-host copy of the shards this
 process owns; the TensorStore write runs in Orbax's background commit thread,
@@ -21,12 +22,11 @@ from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from jax.sharding import Mesh
 
-from checkpoint import _delta, _save, _storage
+from checkpoint import _delta, _optimizers, _save, _storage
 from checkpoint._assembly import OnSlotMismatch
 from checkpoint._chain import open_reader
 from checkpoint._format import MANIFEST_FILE
@@ -34,7 +34,7 @@ from checkpoint._inspect import describe_item
 from checkpoint._restore import TableArrays, read_tables, restore_to_mesh
 from checkpoint._storage import StorageOptions
 from sc_framework.primitives import EmbeddingVariables
-from sc_framework.optimizers import SlotSpec
+from sc_framework.optimizers import OptimizerSpec, SlotSpec
 from sc_framework.stacking import EmbeddingLayout
 
 
@@ -66,11 +66,7 @@ class EmbeddingCheckpointHandler(ocp.AsyncCheckpointHandler):
     _storage.check_local_path(directory)  # Raised here, not by the background write.
     if args.delta is not None:  # Only the updated rows (checkpoint._delta).
       return _delta.prepare_save(epath.Path(directory), args, primary=self._is_primary())
-    specs = _save.check_state(args.layout, args.tables, args.slots, args.slot_specs)
-    dtypes = {(name, None): np.dtype(array.dtype) for name, array in args.tables.items()}
-    for stack, group in args.slots.items():
-      dtypes.update({(stack, slot): np.dtype(array.dtype) for slot, array in group.items()})
-    manifest = _save.stacked_manifest(args.layout, dtypes, specs, args.storage)
+    manifest = _save.state_manifest(args)
     blocks = _save.snapshot(args.tables, args.slots)
     return _save.write(
         epath.Path(directory), manifest, args.layout, blocks, primary=self._is_primary()
@@ -91,12 +87,16 @@ class EmbeddingCheckpointHandler(ocp.AsyncCheckpointHandler):
     """Restores into a layout on a mesh (`EmbeddingRestore`) or per table (`TableRestore`)."""
     reader = open_reader(directory)  # A delta item reads as its chain.
     if isinstance(args, EmbeddingRestore):
+      slot_specs, optimizers = _optimizers.resolve(
+          "EmbeddingRestore", args.layout.stack_names, args.slot_specs, args.optimizers
+      )
       return restore_to_mesh(
           reader,
           args.layout,
           args.mesh,
           args.axis_name,
-          slot_specs=args.slot_specs,
+          slot_specs=slot_specs,
+          optimizer_names=optimizers,
           on_slot_mismatch=args.on_slot_mismatch,
           dtype=args.dtype,
       )
@@ -135,6 +135,11 @@ class EmbeddingSave(ocp.args.CheckpointArgs):
     storage: codecs and chunk size (`StorageOptions`).
     delta: None (default) saves every row; a `Delta` saves only the rows
       updated since its parent step (see `checkpoint._delta`).
+    optimizers: stack name -> its sparse optimizer, instead of `slot_specs`:
+      the slots are its slots(), and the checkpoint records which optimizer
+      they belong to, so that a restore into another optimizer with slots
+      of the same names (Adam's into LaProp) is refused
+      (`checkpoint._optimizers`). Stacks without slots may be left out.
   """
 
   tables: Mapping[str, jax.Array]
@@ -143,6 +148,7 @@ class EmbeddingSave(ocp.args.CheckpointArgs):
   slot_specs: Mapping[str, Sequence[SlotSpec]] = dataclasses.field(default_factory=dict)
   storage: StorageOptions = dataclasses.field(default_factory=StorageOptions)
   delta: _delta.Delta | None = None
+  optimizers: Mapping[str, OptimizerSpec] | None = None
 
 
 @ocp.args.register_with_handler(EmbeddingCheckpointHandler, for_restore=True)
@@ -162,10 +168,20 @@ class EmbeddingRestore(ocp.args.CheckpointArgs):
     axis_name: the table axis of `mesh`.
     slot_specs: target stack -> the slots its optimizer keeps; None (default)
       restores the slots stored with the tables.
-    on_slot_mismatch: 'error' (default) raises SlotMismatchError when
-      `slot_specs` differ from the stored slots (by names and widths);
-      'reset' starts such a stack's slots from their initial values (float32).
+    on_slot_mismatch: 'error' (default) raises SlotMismatchError when the
+      target slots differ from the stored ones (by names and widths), or
+      belong to another optimizer than the one that wrote them (both known,
+      see `optimizers`); 'reset' starts such a stack's slots from their
+      initial values (float32).
     dtype: the expected table dtype; a different stored dtype is an error.
+    optimizers: target stack -> its sparse optimizer, instead of
+      `slot_specs` (the slots are its slots()). A stack whose tables the
+      checkpoint records as trained with another optimizer (another kind,
+      or another CustomOptimizer name) is a slot mismatch even where the
+      slots have the same names and widths; the same optimizer with other
+      hyperparameters restores. Checkpoints that record no optimizer
+      (written before it was recorded, or saved with `slot_specs`) are
+      matched by names and widths only, as with `slot_specs`.
 
   Returns (from restore): EmbeddingVariables(tables, slots).
   """
@@ -176,6 +192,7 @@ class EmbeddingRestore(ocp.args.CheckpointArgs):
   slot_specs: Mapping[str, Sequence[SlotSpec]] | None = None
   on_slot_mismatch: OnSlotMismatch = "error"
   dtype: Any = None
+  optimizers: Mapping[str, OptimizerSpec] | None = None
 
 
 @ocp.args.register_with_handler(EmbeddingCheckpointHandler, for_restore=True)

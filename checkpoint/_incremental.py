@@ -6,8 +6,10 @@
   full   when no chain is open (the first save, after a failed save, or when
          the manager has not saved or restored the state it saves), when
          requested (`save(..., save_kind="full")`), when the chain already
-         holds `full_every - 1` deltas, or when the updated rows exceed
-         `max_delta_share` of the stacked rows;
+         holds `full_every - 1` deltas, when the updated rows exceed
+         `max_delta_share` of the stacked rows, or when the state keeps
+         other slots, dtypes or optimizers than the chain (`continues_chain`;
+         e.g. after a restore that reset the slots);
   delta  otherwise.
 
 A long chain costs restore time (one read of each delta's rows) and keeps
@@ -28,7 +30,8 @@ from typing import Any, Literal
 import numpy as np
 from etils import epath
 
-from checkpoint._chain import delta_manifest, walk_chain
+from checkpoint import _save
+from checkpoint._chain import continues_chain, delta_manifest, walk_chain
 from checkpoint._delta import Delta
 from checkpoint._errors import CheckpointError
 from checkpoint._format import MANIFEST_FILE
@@ -166,6 +169,16 @@ class IncrementalSaves:
     if save_kind == "auto" and self.policy.choose(chain, share) == "full":
       return embedding
     parent, base, _ = self._open
+    state = _save.state_manifest(embedding)
+    if not continues_chain(self.item_dir(parent), state, embedding.layout):
+      if save_kind == "delta":
+        raise ValueError(
+            f"save_kind='delta': the state keeps other slots, dtypes or optimizers than the"
+            f" chain of step {parent} it would continue (after a restore that reset the"
+            " slots, or with another optimizer), so the delta would not read back. Save a"
+            " full checkpoint (save_kind='full' or 'auto')."
+        )
+      return embedding
     return dataclasses.replace(embedding, delta=Delta(rows, parent, base))
 
   def saved(self, step: int, args, updated_rows) -> None:

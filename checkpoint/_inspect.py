@@ -16,6 +16,7 @@ from checkpoint._errors import NotACheckpointError
 from checkpoint._format import MANIFEST_FILE
 from checkpoint._chain import ChainReader, chain_summary, open_reader
 from checkpoint._integrity import is_link
+from checkpoint._optimizers import common_name
 from checkpoint._steps import manifest_problem
 
 _TMP_MARK = ".orbax-checkpoint-tmp"
@@ -62,12 +63,22 @@ def describe_item(directory: epath.PathLike) -> dict[str, Any]:
               "padded_vocabulary_size": t.padded_vocabulary_size,
               "row_offset": t.row_offset,
               "shard_rotation": t.shard_rotation,
+              "optimizer": reader.optimizer_name(t.name),
           }
           for t in stack.tables
       ]
     else:
       vocab, dim = group.table.shape
-      entry["tables"] = [{"name": group.name, "vocabulary_size": vocab, "embedding_dim": dim}]
+      entry["tables"] = [
+          {
+              "name": group.name,
+              "vocabulary_size": vocab,
+              "embedding_dim": dim,
+              "optimizer": reader.optimizer_name(group.name),
+          }
+      ]
+    # The optimizer owning the slots (None: not recorded, as in older checkpoints).
+    entry["optimizer"] = common_name({t["name"]: t["optimizer"] for t in entry["tables"]})
     groups.append(entry)
   out: dict[str, Any] = {
       "path": str(epath.Path(directory)),
@@ -202,13 +213,19 @@ def format_description(info: dict[str, Any]) -> str:
         if "rows_per_shard" in group
         else ""
     )
+    # Per stack; per table where only some tables of the stack record it (a chain can).
+    optimizer = group.get("optimizer")
+    if optimizer is not None:
+      extra += f"  optimizer={optimizer}"
     lines.append(f"  {head} {group['name']!r}: {_bytes(group['bytes'])}{extra}")
     if info["kind"] == "stacked":
       for table in group["tables"]:
+        known = table.get("optimizer")
         lines.append(
             f"    table {table['name']!r}: V={table['vocabulary_size']} D={table['embedding_dim']}"
             f" V'={table['padded_vocabulary_size']} o={table['row_offset']}"
             f" r={table['shard_rotation']}"
+            + (f"  optimizer={known}" if optimizer is None and known is not None else "")
         )
     for array in group["arrays"]:
       lines.append(

@@ -67,7 +67,7 @@ class CheckpointManager:
     with CheckpointManager(directory, keep_latest=2, keep_best=1, best_metric="loss") as mngr:
       for step in range(num_steps):
         ...
-        mngr.save(step, EmbeddingSave(tables, slots, layout, slot_specs),
+        mngr.save(step, EmbeddingSave(tables, slots, layout, optimizers=optimizers),
                   items={"params": ocp.args.StandardSave(params),
                          "data": ocp.args.JsonSave({"position": position})},
                   metrics={"loss": loss})

@@ -62,6 +62,8 @@ class CheckpointReader:
 
   def __init__(self, directory: epath.PathLike, *, chunk_cache: _direct.ChunkCache | None = None):
     self.directory = epath.Path(directory)
+    # The item a restore names (a chain's: its delta step, `directory` being its base).
+    self.item = self.directory
     self.chunk_cache = chunk_cache
     _refuse_links(self.directory)
     self.manifest = _read_manifest(self.directory)
@@ -93,6 +95,10 @@ class CheckpointReader:
   def slot_specs(self, table: str) -> tuple[SlotSpec, ...]:
     """The slot variables stored with a table (those of its stack's optimizer)."""
     return self.group_of(table).slot_specs
+
+  def optimizer_name(self, table: str) -> str | None:
+    """The optimizer recorded as owning a table's slots (`_optimizers`), None where unknown."""
+    return self.group_of(table).optimizer
 
   def array_info(self, table: str, slot: str | None = None) -> ArrayInfo:
     """Shape, dtype and chunking of the array that stores a table (or one of its slots)."""

@@ -49,12 +49,14 @@ def restore_to_mesh(
     axis_name: str,
     *,
     slot_specs: Mapping[str, Sequence[SlotSpec]] | None = None,
+    optimizer_names: Mapping[str, str] | None = None,
     on_slot_mismatch: OnSlotMismatch = "error",
     dtype=None,
 ) -> EmbeddingVariables:
   """Restores a checkpoint into `layout`, sharded over `axis_name` of `mesh`.
 
-  See `EmbeddingRestore` for the arguments and errors.
+  See `EmbeddingRestore` for the arguments and errors; `optimizer_names` are
+  the target stacks' optimizer names (`_optimizers.resolve`).
   """
   if axis_name not in mesh.shape:
     raise ValueError(f"mesh has no axis {axis_name!r}; its axes are {dict(mesh.shape)}.")
@@ -65,7 +67,12 @@ def restore_to_mesh(
         f" {mesh.shape[axis_name]})."
     )
   assemblies = assemble_stacked(
-      reader, layout, slot_specs=slot_specs, on_slot_mismatch=on_slot_mismatch, dtype=dtype
+      reader,
+      layout,
+      slot_specs=slot_specs,
+      optimizer_names=optimizer_names,
+      on_slot_mismatch=on_slot_mismatch,
+      dtype=dtype,
   )
   sharding = NamedSharding(mesh, PartitionSpec(axis_name, None))
   keys, arrays = [], []

@@ -23,7 +23,7 @@ import numpy as np
 import tensorstore as ts
 from etils import epath
 
-from checkpoint import _storage
+from checkpoint import _optimizers, _storage
 from checkpoint._format import (
     LAYOUT_FILE,
     MANIFEST_FILE,
@@ -111,17 +111,36 @@ def _check_array(what: str, array, shape: tuple[int, int]) -> None:
     )
 
 
+def state_manifest(args) -> Manifest:
+  """The manifest of the state an `EmbeddingSave` holds, after checking it (`check_state`).
+
+  Its groups name the optimizers of `args.optimizers` (`_optimizers.resolve`).
+  """
+  slot_specs, names = _optimizers.resolve(
+      "EmbeddingSave", args.layout.stack_names, args.slot_specs, args.optimizers
+  )
+  specs = check_state(args.layout, args.tables, args.slots, slot_specs)
+  dtypes = {(name, None): np.dtype(array.dtype) for name, array in args.tables.items()}
+  for stack, group in args.slots.items():
+    dtypes.update({(stack, slot): np.dtype(array.dtype) for slot, array in group.items()})
+  return stacked_manifest(args.layout, dtypes, specs, args.storage, names)
+
+
 def stacked_manifest(
     layout: EmbeddingLayout,
     dtypes: Mapping[tuple[str, str | None], np.dtype],
     slot_specs: Mapping[str, Sequence[SlotSpec]],
     storage: StorageOptions,
+    optimizers: Mapping[str, str | None] | None = None,
 ) -> Manifest:
   """The manifest of a stacked checkpoint of `layout`.
 
   Args:
     dtypes: (stack, None) -> table dtype; (stack, slot) -> slot dtype.
+    optimizers: stack -> the name of the optimizer owning its slots
+      (`_optimizers.optimizer_name`); stacks left out, or None, are unknown.
   """
+  optimizers = optimizers or {}
   groups = []
   for stack in layout.stacks:
 
@@ -142,6 +161,7 @@ def stacked_manifest(
                 spec.name: info(spec.name, spec.stacked_width(stack.padded_embedding_dim))
                 for spec in specs
             },
+            optimizers.get(stack.name),
         )
     )
   return Manifest("stacked", tuple(groups), storage)
@@ -152,9 +172,14 @@ def unstacked_manifest(
     dtypes: Mapping[tuple[str, str | None], np.dtype],
     slot_specs: Mapping[str, Sequence[SlotSpec]],
     storage: StorageOptions,
+    optimizers: Mapping[str, str | None] | None = None,
 ) -> Manifest:
-  """The manifest of an unstacked checkpoint: table -> (V, D) arrays of its own."""
+  """The manifest of an unstacked checkpoint: table -> (V, D) arrays of its own.
+
+  `optimizers`: table -> optimizer name, as for `stacked_manifest`.
+  """
   check_unique_components("table", tables)
+  optimizers = optimizers or {}
   groups = []
   for name, (vocab, dim) in tables.items():
 
@@ -170,6 +195,7 @@ def unstacked_manifest(
             info(None, dim),
             specs,
             {s.name: info(s.name, s.stacked_width(dim)) for s in specs},
+            optimizers.get(name),
         )
     )
   return Manifest("unstacked", tuple(groups), storage)

@@ -48,6 +48,7 @@ from checkpoint import (
 )
 from pipelining._in_flight import FeatureInFlight, SavedInFlight, rows_shapes
 from pipelining._steps import DeviceBatch, TrainState
+from sc_framework.optimizers import OptimizerSpec
 from sc_framework.preprocessing import PreprocessedBatch, StackBatch
 from sc_framework.primitives import EmbeddingPlan, EmbeddingVariables
 
@@ -194,7 +195,8 @@ class TrainerCheckpoints:
       items["in_flight"] = ocp.args.StandardSave(_in_flight_to_tree(in_flight))
     items["meta"] = ocp.args.JsonSave(meta)
     embedding = EmbeddingSave(
-        state.embeddings.tables, state.embeddings.slots, self._plan.layout, self._plan.slot_specs()
+        state.embeddings.tables, state.embeddings.slots, self._plan.layout,
+        optimizers=self._optimizers(),
     )
     saved = self._manager.save(step, embedding, items=items, force=True,
                                updated_rows=self._rows)
@@ -267,7 +269,8 @@ class TrainerCheckpoints:
       items["in_flight"] = ocp.args.StandardRestore(_abstract(in_flight_template))
     embedding = EmbeddingRestore(
         self._plan.layout, self._plan.mesh, self._plan.axis_name,
-        slot_specs=self._plan.slot_specs(),
+        # Slots of another optimizer (also one with slots of the same names) are refused.
+        optimizers=self._optimizers(),
         # The tables in the state's dtype; another stored dtype is refused.
         dtype=next(iter(state_template.embeddings.tables.values())).dtype,
     )
@@ -294,6 +297,10 @@ class TrainerCheckpoints:
             k: dict(v) for k, v in tables.slots.items()}), dense["step"],
     )
     return state, restored
+
+  def _optimizers(self) -> dict[str, OptimizerSpec]:
+    """Stack -> its sparse optimizer (the checkpoint records which one owns the slots)."""
+    return {stack: self._plan.optimizer(stack) for stack in self._plan.layout.stack_names}
 
   def _in_flight_template(self, step: int, meta: dict[str, Any],
                           example: FeatureInFlight) -> dict[str, Any] | None:

@@ -35,7 +35,11 @@ class Model:
     return stack_tables(self.features, groups, num_devices, shards_per_device)
 
   def slot_specs(self, layout: EmbeddingLayout) -> dict:
-    return {s.name: self.tables[s.tables[0].name].optimizer.slots() for s in layout.stacks}
+    return {name: optimizer.slots() for name, optimizer in self.optimizers(layout).items()}
+
+  def optimizers(self, layout: EmbeddingLayout) -> dict:
+    """Stack -> the optimizer of its tables."""
+    return {s.name: self.tables[s.tables[0].name].optimizer for s in layout.stacks}
 
   def state(self, layout: EmbeddingLayout, mesh: Mesh | None = None):
     """Stacked (tables, slots) on `mesh` (default: all devices of layout.num_devices)."""

@@ -16,7 +16,7 @@ import pytest
 import jax
 from checkpoint import CheckpointError, SlotMismatchError
 from pipelining import Callback, Trainer
-from sc_framework.optimizers import SGD, Adagrad
+from sc_framework.optimizers import SGD, Adagrad, Adam, LaProp
 from test_trainer import LinearHead, logical_tables, make_batches, make_specs, mesh_of, mse
 from tests.numerics import assert_same_bits
 
@@ -116,6 +116,34 @@ def test_a_checkpoint_of_another_optimizer_gets_advice_the_trainer_can_follow(tm
   with pytest.raises(SlotMismatchError, match=r"\('accumulator'.*other workdir") as error:
     make_trainer(tmp_path, False, make_specs(SGD(0.3))).fit(batches)
   assert "on_slot_mismatch" not in str(error.value), str(error.value)
+
+
+def test_a_checkpoint_of_adam_does_not_resume_into_laprop(tmp_path):
+  """Adam and LaProp keep slots of the same names and widths ('mu', 'nu'); the checkpoint
+  records which optimizer wrote them, so the resume is refused rather than continued on
+  moments that mean something else."""
+  batches = make_batches(2, seed=72)
+  make_trainer(tmp_path, False, make_specs(Adam(0.1))).fit(batches)
+  with pytest.raises(SlotMismatchError) as error:
+    make_trainer(tmp_path, False, make_specs(LaProp(0.1))).fit(batches)
+  message = str(error.value)
+  for part in ("target optimizer is 'laprop'", "table 'a'", "optimizer 'adam'",
+               str(tmp_path / "checkpoints" / "2"), "other workdir"):
+    assert part in message, message
+  assert "on_slot_mismatch" not in message, message
+
+
+def test_the_same_optimizer_retuned_resumes_the_state_as_it_is(tmp_path):
+  """Another learning rate and beta1 (fine-tuning): the slots resume bit for bit."""
+  first = make_trainer(tmp_path, False, make_specs(Adam(0.1)))
+  first.fit(make_batches(3, seed=73))
+  retuned = make_trainer(tmp_path, False, make_specs(Adam(0.02, beta1=0.8)))
+  history = retuned.fit(make_batches(3, seed=73), num_steps=3)
+  assert history.resumed_from == 3 and not history.steps
+  assert_same_run(retuned, first)
+  history = make_trainer(tmp_path, False, make_specs(Adam(0.02, beta1=0.8))).fit(
+      make_batches(5, seed=73))
+  assert history.resumed_from == 3 and history.final_step == 5
 
 
 def test_num_steps_is_exact_with_a_batch_in_flight(tmp_path):
