@@ -66,9 +66,11 @@ class RaggedIds:
 
     The lengths are checked with the rest of the batch, by `flatten_input`.
     """
-    lengths = np.asarray(lengths)
-    splits = np.zeros(lengths.size + 1, lengths.dtype if lengths.size else np.int64)
-    np.cumsum(lengths.reshape(-1), out=splits[1:])
+    lengths = np.asarray(lengths).reshape(-1)
+    # Integer lengths sum in int64: narrow ones (e.g. int8) would wrap around.
+    integer = lengths.size == 0 or np.issubdtype(lengths.dtype, np.integer)
+    splits = np.zeros(lengths.size + 1, np.int64 if integer else lengths.dtype)
+    np.cumsum(lengths, out=splits[1:], dtype=splits.dtype)
     return cls(values, splits, weights)
 
   @classmethod
@@ -246,11 +248,22 @@ def _check_ragged(value: RaggedIds, owner: str):
   else:
     values = values.astype(np.int64)
   if splits.ndim != 1 or splits.size == 0 or not np.issubdtype(splits.dtype, np.integer):
-    raise ValueError(f"{owner}: row_splits must be a non-empty 1-D integer array.")
-  if splits[0] != 0 or splits[-1] != values.size or np.any(splits[1:] < splits[:-1]):
     raise ValueError(
-        f"{owner}: row_splits must be non-decreasing from 0 to len(values) = {values.size},"
-        f" got [{splits[0]}, ..., {splits[-1]}]."
+        f"{owner}: row_splits (or the lengths of RaggedIds.from_lengths) must be a non-empty"
+        f" 1-D integer array, got shape {splits.shape} and dtype {splits.dtype}."
+    )
+  decreasing = np.flatnonzero(splits[1:] < splits[:-1])
+  if decreasing.size:
+    b = int(decreasing[0])
+    raise ValueError(
+        f"{owner}: row_splits must be non-decreasing, but sample {b} has row_splits[{b}] ="
+        f" {splits[b]} > row_splits[{b + 1}] = {splits[b + 1]} (length"
+        f" {int(splits[b + 1]) - int(splits[b])}). Give every sample a length >= 0."
+    )
+  if splits[0] != 0 or splits[-1] != values.size:
+    raise ValueError(
+        f"{owner}: row_splits must run from 0 to len(values) = {values.size}, got"
+        f" [{splits[0]}, ..., {splits[-1]}] (lengths summing to {splits[-1] - splits[0]})."
     )
   weights = _matching_weights(value.weights, values, owner, "ids")
   return values, splits.astype(np.int64, copy=False), weights, False

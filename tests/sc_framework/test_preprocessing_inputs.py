@@ -246,6 +246,36 @@ def test_ids_beyond_int32_on_a_table_of_2_to_the_32_rows(dtype, groups, num_devi
   check(layout, specs, batches, samples, max_ids=6)
 
 
+# --- ragged inputs ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int16, np.uint16, np.int32])
+def test_from_lengths_of_narrow_integer_dtypes(dtype):
+  """Lengths of a narrow dtype whose sum it cannot hold: the row splits wrapped around."""
+  table = TableSpec("t", 500, 8, combiner="mean")
+  specs = [FeatureSpec("f", table, (4096, None))]
+  layout = auto_stack_tables(specs, 8)
+  rng = np.random.default_rng(4)
+  samples = random_samples(rng, 4096, 500, 40)  # about 80,000 ids, beyond 16 bits
+  lengths = np.array([len(p) for p in samples], dtype)
+  values = np.array([i for p in samples for i, _ in p])
+  batches, _ = preprocess({"f": RaggedIds.from_lengths(values, lengths)}, specs, layout,
+                          capacities={"t": (4096, 512)})
+  check(layout, specs, batches, {"f": samples}, max_ids=40)
+
+
+def test_a_negative_length_names_its_sample():
+  table = TableSpec("t", 50, 8)
+  spec = FeatureSpec("f", table, (4, None))
+  with pytest.raises(ValueError, match=r"feature 'f': row_splits must be non-decreasing, but"
+                                       r" sample 1 has row_splits\[1\] = 2 > row_splits\[2\] ="
+                                       r" 1 \(length -1\)"):
+    flatten_input(RaggedIds.from_lengths([1, 2, 3], [2, -1, 1, 1]), spec)
+  with pytest.raises(ValueError, match=r"lengths of RaggedIds.from_lengths\) must be a non-empty"
+                                       r" 1-D integer array, got shape \(5,\) and dtype float64"):
+    flatten_input(RaggedIds.from_lengths([1, 2, 3], [1.0, 1, 0, 1]), spec)
+
+
 # --- weights ------------------------------------------------------------------
 
 
