@@ -130,24 +130,82 @@ FeatureInput = Any
 """One feature's ids: an array, a list of arrays, DenseIds, RaggedRows, RaggedIds or SparseIds."""
 
 
-def _ragged_from_rows(rows, weights, *, owner: str) -> RaggedIds:
-  try:
-    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
-  except TypeError as error:
+def _row_arrays(rows, owner: str, what: str) -> list[np.ndarray]:
+  """Every sample's entry of a ragged batch (its ids or its weights) as a 1-D array."""
+  if not hasattr(rows, "__len__"):
     raise TypeError(
-        f"{owner}: a ragged batch must be a sequence of per-sample id sequences ({error})."
-    ) from None
+        f"{owner}: ragged {what} must be a sequence of per-sample sequences, got"
+        f" {type(rows).__name__}."
+    )
+  arrays = []
+  for b, row in enumerate(rows):
+    try:
+      array = np.asarray(row)
+      if array.dtype == object:  # e.g. a row of an object array: Python ints
+        array = np.asarray(array.tolist())
+    except ValueError as error:  # e.g. nested lists of different lengths
+      raise ValueError(
+          f"{owner}: the {what} of sample {b} are not a flat sequence ({error})."
+      ) from None
+    if array.ndim == 0:
+      hint = (" For one id per sample, pass an array of shape [B] (np.asarray(ids))."
+              if what == "ids" else "")
+      raise TypeError(
+          f"{owner}: sample {b} of the ragged {what} is {row!r} ({type(row).__name__}), not a"
+          f" sequence: a list (or object array) holds one sequence of {what} per sample.{hint}"
+      )
+    if array.ndim != 1:
+      raise ValueError(
+          f"{owner}: the {what} of sample {b} have shape {array.shape}; a ragged batch holds"
+          f" one 1-D sequence of {what} per sample. Flatten each sample's {what} (np.ravel),"
+          " or pass a dense [B, L] array."
+      )
+    arrays.append(array)
+  return arrays
+
+
+def _concatenate_ids(arrays: list[np.ndarray], owner: str) -> np.ndarray:
+  """The samples' ids as one integer array (the values of the CSR form)."""
+  for b, array in enumerate(arrays):
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+      raise TypeError(
+          f"{owner}: ids must be integers, but sample {b} holds {array.dtype} values"
+          f" {array[:3].tolist()}. Hash or bucket non-integer ids into [0, vocabulary_size)"
+          " first."
+      )
+  pieces = [array for array in arrays if array.size]
+  if not pieces:
+    return np.zeros(0, np.int64)
+  values = np.concatenate(pieces)
+  if not np.issubdtype(values.dtype, np.integer):
+    # uint64 next to signed ids: numpy promotes them to float64, which rounds ids
+    # above 2^53. Every id of a table fits int64.
+    for b, array in enumerate(arrays):
+      if array.dtype == np.uint64 and array.size and array.max() > np.iinfo(np.int64).max:
+        raise ValueError(
+            f"{owner}: sample {b} has id {int(array.max())}, beyond every vocabulary (ids"
+            " must be in [0, vocabulary_size) of the feature's table). Hash or bucket the"
+            " ids before preprocessing."
+        )
+    values = np.concatenate(pieces, dtype=np.int64, casting="unsafe")
+  return values
+
+
+def _ragged_from_rows(rows, weights, *, owner: str) -> RaggedIds:
+  arrays = _row_arrays(rows, owner, "ids")
+  lengths = np.fromiter((array.size for array in arrays), dtype=np.int64, count=len(arrays))
   splits = np.zeros(lengths.size + 1, np.int64)
   np.cumsum(lengths, out=splits[1:])
-  pieces = [np.asarray(r).ravel() for r, n in zip(rows, lengths) if n]
-  values = np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
+  values = _concatenate_ids(arrays, owner)
   flat_weights = None
   if weights is not None:
-    if len(weights) != len(rows):
+    weight_arrays = _row_arrays(weights, owner, "weights")
+    if len(weight_arrays) != len(arrays):
       raise ValueError(
-          f"{owner}: weights hold {len(weights)} samples but the ids hold {len(rows)}."
+          f"{owner}: weights hold {len(weight_arrays)} samples but the ids hold {len(arrays)}."
       )
-    weight_lengths = np.fromiter(map(len, weights), dtype=np.int64, count=len(weights))
+    weight_lengths = np.fromiter((w.size for w in weight_arrays), dtype=np.int64,
+                                 count=len(weight_arrays))
     bad = np.flatnonzero(weight_lengths != lengths)
     if bad.size:
       b = int(bad[0])
@@ -155,7 +213,8 @@ def _ragged_from_rows(rows, weights, *, owner: str) -> RaggedIds:
           f"{owner}: sample {b} has {lengths[b]} ids but {weight_lengths[b]} weights; weights"
           " must match the ids one to one."
       )
-    pieces = [np.asarray(w, np.float32).ravel() for w, n in zip(weights, lengths) if n]
+    # Their dtype is checked with the other forms' (`flatten_input`), not cast here.
+    pieces = [w for w, n in zip(weight_arrays, lengths) if n]
     flat_weights = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
   return RaggedIds(values, splits, flat_weights)
 

@@ -276,6 +276,62 @@ def test_a_negative_length_names_its_sample():
     flatten_input(RaggedIds.from_lengths([1, 2, 3], [1.0, 1, 0, 1]), spec)
 
 
+def test_rows_of_mixed_integer_dtypes():
+  """uint64 hashed ids next to rows of Python ints: numpy's concatenation gives float64."""
+  table = TableSpec("t", 2**60, 8)
+  spec = FeatureSpec("f", table, (4, None))
+  big = 2**53 + 1  # float64 would round it
+  rows = [np.array([big, 7], np.uint64), [], [3, big], np.array([5], np.int32)]
+  flat = flatten_input(rows, spec)
+  assert flat.values.tolist() == [big, 7, 3, big, 5]
+  assert flat.row_splits.tolist() == [0, 2, 2, 4, 5]
+  with pytest.raises(ValueError, match=r"feature 'f': sample 0 has id 18446744073709551615,"
+                                       r" beyond every vocabulary"):
+    flatten_input([np.array([2**64 - 1], np.uint64), [1], [], []], spec)
+
+
+@pytest.mark.parametrize("rows,error,message", [
+    # A tokenizer's [1, L] array per sample.
+    ([np.array([[1, 2]]), np.array([[3]]), [], [4]], ValueError,
+     r"the ids of sample 0 have shape \(1, 2\); a ragged batch holds one 1-D sequence"),
+    # (2, 0) and (1, 2) rows: the lengths add up, so the ids went to other samples.
+    ([np.zeros((2, 0), np.int64), np.array([[5, 6]]), np.array([[7, 8]]), []], ValueError,
+     r"the ids of sample 0 have shape \(2, 0\)"),
+    # One id per sample as a list: a list is read as per-sample sequences.
+    ([1, 2, 3, 4], TypeError,
+     r"sample 0 of the ragged ids is 1 \(int\), not a sequence.*np.asarray\(ids\)"),
+    ([[1, 2], [True, False], [], [3]], TypeError,
+     r"ids must be integers, but sample 1 holds bool values \[True, False\]"),
+    ([[1, 2], [3.0], [], [3]], TypeError, r"sample 1 holds float64 values \[3.0\]"),
+])
+def test_ragged_rows_that_are_not_integer_sequences_are_refused(rows, error, message):
+  spec = FeatureSpec("f", TableSpec("t", 50, 8), (4, None))
+  with pytest.raises(error, match=r"feature 'f': .*" + message):
+    flatten_input(rows, spec)
+
+
+def test_object_rows_of_python_ints_are_ids():
+  spec = FeatureSpec("f", TableSpec("t", 50, 8), (3, None))
+  rows = np.array([[1, 2], [3, 4], [5, 6]], dtype=object)
+  flat = flatten_input(rows, spec)
+  assert flat.values.tolist() == [1, 2, 3, 4, 5, 6] and flat.row_splits.tolist() == [0, 2, 4, 6]
+
+
+@pytest.mark.parametrize("weights,error,message", [
+    # Were cast per sample to float32: imaginary parts, strings and bools went through.
+    ([np.array([1 + 2j, 1]), np.array([1.0])], TypeError, "got dtype complex128"),
+    ([["1", "2"], ["3"]], TypeError, "got dtype <U1"),
+    ([np.array([True, False]), np.array([True])], TypeError, "got dtype bool"),
+    ([[None, 1.0], [1.0]], TypeError, "got dtype object"),
+    ([1.0, 2.0], TypeError, r"sample 0 of the ragged weights is 1.0 \(float\), not a sequence"),
+    ([[1.0, 2.0], [[3.0]]], ValueError, r"the weights of sample 1 have shape \(1, 1\)"),
+])
+def test_ragged_row_weights_are_checked_like_the_other_forms(weights, error, message):
+  spec = FeatureSpec("f", TableSpec("t", 50, 8, combiner="mean"), (2, None))
+  with pytest.raises(error, match=r"feature 'f'.*" + message):
+    flatten_input(RaggedRows([[1, 2], [3]], weights), spec)
+
+
 # --- weights ------------------------------------------------------------------
 
 
