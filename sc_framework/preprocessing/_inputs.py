@@ -365,16 +365,20 @@ def _coo_sorted(value: SparseIds, owner: str):
       )
   weights = _matching_weights(value.weights, values, owner, "COO values")
   if samples.size > 1:
-    order_key = samples * (shape[1] if len(shape) == 2 else 1)
-    if len(shape) == 2:
-      order_key = order_key + indices[:, 1]
+    # One int64 key per (sample, position), when the positions in use allow one
+    # (dense_shape[1] itself may be huge, e.g. 2^62 for "any length").
+    width = int(positions.max()) + 1
     order = None
-    if np.any(order_key[1:] < order_key[:-1]):
-      order = np.argsort(order_key, kind="stable")
-      samples, values, order_key = samples[order], values[order], order_key[order]
-      positions = positions[order]
+    if shape[0] * width <= np.iinfo(np.int64).max:
+      order_key = samples * width + positions
+      if np.any(order_key[1:] < order_key[:-1]):
+        order = np.argsort(order_key, kind="stable")
+    else:
+      order = np.lexsort((positions, samples))
+    if order is not None:
+      samples, values, positions = samples[order], values[order], positions[order]
       weights = None if weights is None else weights[order]
-    repeated = np.flatnonzero(order_key[1:] == order_key[:-1])
+    repeated = np.flatnonzero((samples[1:] == samples[:-1]) & (positions[1:] == positions[:-1]))
     if repeated.size:
       first, k = int(repeated[0]), int(repeated[0] + 1)
       if order is not None:

@@ -332,6 +332,30 @@ def test_ragged_row_weights_are_checked_like_the_other_forms(weights, error, mes
     flatten_input(RaggedRows([[1, 2], [3]], weights), spec)
 
 
+# --- COO ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("width", [5, 2**40, 2**62, 2**63, 2**64 - 1])
+def test_coo_with_a_huge_dense_shape(width):
+  """dense_shape (B, 2^62) for "any length": the (sample, position) keys overflowed int64."""
+  table = TableSpec("t", 100, 8)
+  specs = [FeatureSpec("f", table, (4, None))]
+  layout = auto_stack_tables(specs, 2)
+  indices = np.array([[3, 0], [0, 0], [1, 4], [2, 1], [1, 2]], np.uint64)
+  coo = SparseIds(indices, np.array([30, 0, 14, 20, 12]), np.array([4, width], np.uint64))
+  flat = flatten_input(coo, specs[0])
+  assert flat.values.tolist() == [0, 12, 14, 20, 30]
+  assert flat.row_splits.tolist() == [0, 1, 3, 4, 5]
+  batches, _ = preprocess({"f": coo}, specs, layout)
+  check(layout, specs, batches, {"f": [[(0, 1.0)], [(12, 1.0), (14, 1.0)], [(20, 1.0)],
+                                       [(30, 1.0)]]}, max_ids=2)
+  twice = SparseIds(np.array([[1, 2**40], [0, 0], [1, 2**40]]), np.array([1, 2, 3]), (4, width))
+  if width > 2**40:
+    with pytest.raises(ValueError, match=r"COO index \[1, 1099511627776\] appears more than once"
+                                         r" \(entries 0 and 2\)"):
+      flatten_input(twice, specs[0])
+
+
 # --- weights ------------------------------------------------------------------
 
 
