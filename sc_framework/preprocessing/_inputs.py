@@ -30,6 +30,7 @@ ids (the list form loops once over samples to read their lengths).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -241,7 +242,7 @@ def _to_csr(value: FeatureInput, owner: str, padding_id: int | None):
     ids = ids[:, None]
   batch, width = ids.shape
   if weights is not None:
-    weights = np.asarray(weights)
+    weights = _weights_array(weights, owner, "ids", ids.shape)
     if width == 1 and weights.shape == (batch,):
       # One id per sample: weights [B] go with ids [B] or [B, 1]. Any other
       # reshape (e.g. weights [L, B] for ids [B, L]) would pair ids with
@@ -261,11 +262,20 @@ def _to_csr(value: FeatureInput, owner: str, padding_id: int | None):
   return values, splits, flat_weights, True
 
 
+def _weights_array(weights, owner: str, what: str, shape: tuple[int, ...]) -> np.ndarray:
+  try:
+    return np.asarray(weights)
+  except ValueError as error:  # e.g. per-sample lists of different lengths
+    raise ValueError(
+        f"{owner}: weights must be an array of the {what}' shape {shape} ({error})."
+    ) from None
+
+
 def _matching_weights(weights, ids: np.ndarray, owner: str, what: str) -> np.ndarray | None:
   """The weights as an array of the ids' shape; None stays None."""
   if weights is None:
     return None
-  weights = np.asarray(weights)
+  weights = _weights_array(weights, owner, what, ids.shape)
   if weights.shape != ids.shape:
     raise ValueError(
         f"{owner}: weights have shape {weights.shape} but the {what} have {ids.shape}; they"
@@ -582,17 +592,59 @@ def flatten_input(
           f" [0, {table.vocabulary_size}).{hint}"
       )
   if weights is not None:
-    if not _is_real(weights.dtype):
-      raise TypeError(
-          f"{owner}: weights must be a real (float or integer) array, got dtype"
-          f" {weights.dtype}."
-      )
-    weights = weights.astype(np.float32, copy=False)
-    finite = np.isfinite(weights)
-    if not finite.all():
-      bad = int(np.flatnonzero(~finite)[0])
-      raise ValueError(
-          f"{owner} (table {table.name!r}): weight {weights[bad]} of id {int(values[bad])} at"
-          f" {where(bad)} is not finite; weights must be finite numbers."
-      )
+    weights = _float32_weights(weights, values, splits, feature, where)
   return FlatIds(values, splits, weights)
+
+
+def _float32_weights(weights: np.ndarray, values: np.ndarray, splits: np.ndarray,
+                     feature: FeatureSpec, where: Callable[[int], str]) -> np.ndarray:
+  """The weights as float32, refusing those that float32 does not stand for.
+
+  Refused: a dtype that is not real; NaN or infinite weights; finite weights
+  beyond float32's range; and, for a combined feature under 'mean' or
+  'sqrtn', a sample whose given weights are not all 0 but all round to 0 in
+  float32 (its combiner would see no weight at all, and the sample no id).
+  A weight that rounds to 0 next to larger ones is float32's rounding of
+  its gain, as under 'sum'.
+  """
+  owner = f"feature {feature.name!r} (table {feature.table.name!r})"
+  if not _is_real(weights.dtype):
+    raise TypeError(
+        f"feature {feature.name!r}: weights must be a real (float or integer) array, got dtype"
+        f" {weights.dtype}."
+    )
+
+  def describe(bad: np.ndarray) -> str:
+    k = int(bad[0])
+    return f"weight {weights[k]} of id {int(values[k])} at {where(k)}"
+
+  finite = np.isfinite(weights)
+  if not finite.all():
+    raise ValueError(
+        f"{owner}: {describe(np.flatnonzero(~finite))} is not finite; weights must be finite"
+        " numbers."
+    )
+  if weights.dtype == np.float32:
+    return weights
+  with np.errstate(over="ignore", under="ignore"):
+    narrow = weights.astype(np.float32)
+  beyond = np.isinf(narrow)
+  if beyond.any():
+    raise ValueError(
+        f"{owner}: {describe(np.flatnonzero(beyond))} is beyond float32's range (magnitude at"
+        f" most {float(np.finfo(np.float32).max):.4g}); weights are float32. Scale the weights"
+        " down."
+    )
+  if feature.sequence_length is None and feature.table.combiner != "sum":
+    lost = (narrow == 0) & (weights != 0)
+    if lost.any():
+      samples = np.repeat(np.arange(splits.size - 1), np.diff(splits))
+      weighted = np.bincount(samples, np.abs(narrow), minlength=splits.size - 1) > 0
+      bad = np.flatnonzero(lost & ~weighted[samples])
+      if bad.size:
+        raise ValueError(
+            f"{owner}: {describe(bad)} rounds to 0 in float32, as does every weight of its"
+            f" sample, so the {feature.table.combiner!r} combiner would see no weight. Scale"
+            " the sample's weights up (the combined result does not depend on their scale)."
+        )
+  return narrow

@@ -332,6 +332,13 @@ def test_ragged_row_weights_are_checked_like_the_other_forms(weights, error, mes
     flatten_input(RaggedRows([[1, 2], [3]], weights), spec)
 
 
+def test_ragged_weights_for_dense_ids_name_the_feature():
+  spec = FeatureSpec("f", TableSpec("t", 50, 8), (2, None))
+  with pytest.raises(ValueError, match=r"feature 'f': weights must be an array of the ids' shape"
+                                       r" \(2, 2\)"):
+    flatten_input(DenseIds(np.array([[1, -1], [2, 3]]), [[1.0], [2.0, 3.0]]), spec, padding_id=-1)
+
+
 # --- COO ----------------------------------------------------------------------
 
 
@@ -375,6 +382,30 @@ def test_weights_of_other_dtypes(dtype, combiner):
   want, _ = preprocess({"f": DenseIds(ids, w.astype(np.float32))}, specs, layout, padding_id=-1)
   for a, b in zip(batches["t"], want["t"]):
     assert_same_bits(a, b)
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_weights_beyond_float32(combiner):
+  """float64 weights that float32 cannot hold: named as given, never silently changed."""
+  table = TableSpec("t", 50, 8, combiner=combiner)
+  specs = [FeatureSpec("f", table, (2, 2))]
+  layout = auto_stack_tables(specs, 1)
+  ids = np.array([[1, 2], [3, 4]])
+  with pytest.raises(ValueError, match=r"feature 'f' \(table 't'\): weight 1e\+300 of id 2 at"
+                                       r" sample 0 is beyond float32's range"):
+    preprocess({"f": DenseIds(ids, [[1.0, 1e300], [1.0, 1.0]])}, specs, layout)
+  tiny = DenseIds(ids, [[1e-50, 3e-50], [1.0, 3.0]])
+  if combiner == "sum":  # each gain is its weight: 1e-50 is 0 in float32
+    batch = preprocess({"f": tiny}, specs, layout)[0]["t"]
+    assert batch.entry_gains[0, :4].tolist() == [0.0, 0.0, 1.0, 3.0]
+  else:  # the mean of the sample is 1/4, 3/4: it became 0, 0
+    with pytest.raises(ValueError, match=r"weight 1e-50 of id 1 at sample 0 rounds to 0 in"
+                                         rf" float32, as does every weight of its sample, so the"
+                                         rf" {combiner!r} combiner would see no weight"):
+      preprocess({"f": tiny}, specs, layout)
+  # A weight that rounds to 0 next to a larger one is the rounding of its gain.
+  batch = preprocess({"f": DenseIds(ids, [[1e-50, 3.0], [1.0, 3.0]])}, specs, layout)[0]["t"]
+  assert batch.entry_gains[0, 0] == 0.0 and batch.entry_gains[0, 1] > 0
 
 
 # --- threads and determinism --------------------------------------------------
