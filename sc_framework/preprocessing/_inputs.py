@@ -30,6 +30,7 @@ ids (the list form loops once over samples to read their lengths).
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -127,56 +128,74 @@ class FlatIds:
     return np.diff(self.row_splits)
 
 
+_NDIM, _DTYPE = operator.attrgetter("ndim"), operator.attrgetter("dtype")
+_OBJECT = np.dtype(object)
+
 FeatureInput = Any
 """One feature's ids: an array, a list of arrays, DenseIds, RaggedRows, RaggedIds or SparseIds."""
 
 
-def _row_arrays(rows, owner: str, what: str) -> list[np.ndarray]:
-  """Every sample's entry of a ragged batch (its ids or its weights) as a 1-D array."""
+def _row_array(row, b: int, owner: str, what: str) -> np.ndarray:
+  """Sample b's entry of a ragged batch as a 1-D array, or an error naming the sample."""
+  try:
+    array = np.asarray(row)
+    if array.dtype == object:  # e.g. a row of an object array: Python ints
+      array = np.asarray(array.tolist())
+  except ValueError as error:  # e.g. nested lists of different lengths
+    raise ValueError(
+        f"{owner}: the {what} of sample {b} are not a flat sequence ({error})."
+    ) from None
+  if array.ndim == 0:
+    hint = (" For one id per sample, pass an array of shape [B] (np.asarray(ids))."
+            if what == "ids" else "")
+    raise TypeError(
+        f"{owner}: sample {b} of the ragged {what} is {row!r} ({type(row).__name__}), not a"
+        f" sequence: a list (or object array) holds one sequence of {what} per sample.{hint}"
+    )
+  if array.ndim != 1:
+    raise ValueError(
+        f"{owner}: the {what} of sample {b} have shape {array.shape}; a ragged batch holds"
+        f" one 1-D sequence of {what} per sample. Flatten each sample's {what} (np.ravel),"
+        " or pass a dense [B, L] array."
+    )
+  return array
+
+
+def _row_arrays(rows, owner: str, what: str) -> tuple[list[np.ndarray], np.ndarray]:
+  """(every sample's entry of a ragged batch (ids or weights) as a 1-D array, lengths [B]).
+
+  One pass of C-level maps; the samples are looked at one by one only when
+  one of them is not a flat 1-D sequence of numbers (`_row_array`).
+  """
   if not hasattr(rows, "__len__"):
     raise TypeError(
         f"{owner}: ragged {what} must be a sequence of per-sample sequences, got"
         f" {type(rows).__name__}."
     )
-  arrays = []
-  for b, row in enumerate(rows):
-    try:
-      array = np.asarray(row)
-      if array.dtype == object:  # e.g. a row of an object array: Python ints
-        array = np.asarray(array.tolist())
-    except ValueError as error:  # e.g. nested lists of different lengths
-      raise ValueError(
-          f"{owner}: the {what} of sample {b} are not a flat sequence ({error})."
-      ) from None
-    if array.ndim == 0:
-      hint = (" For one id per sample, pass an array of shape [B] (np.asarray(ids))."
-              if what == "ids" else "")
-      raise TypeError(
-          f"{owner}: sample {b} of the ragged {what} is {row!r} ({type(row).__name__}), not a"
-          f" sequence: a list (or object array) holds one sequence of {what} per sample.{hint}"
-      )
-    if array.ndim != 1:
-      raise ValueError(
-          f"{owner}: the {what} of sample {b} have shape {array.shape}; a ragged batch holds"
-          f" one 1-D sequence of {what} per sample. Flatten each sample's {what} (np.ravel),"
-          " or pass a dense [B, L] array."
-      )
-    arrays.append(array)
-  return arrays
+  try:
+    arrays = list(map(np.asarray, rows))
+    ndims = np.fromiter(map(_NDIM, arrays), np.int64, count=len(arrays))
+    plain = (ndims == 1).all() and _OBJECT not in set(map(_DTYPE, arrays))
+  except ValueError:
+    plain = False
+  if not plain:
+    arrays = [_row_array(row, b, owner, what) for b, row in enumerate(rows)]
+  return arrays, np.fromiter(map(len, arrays), np.int64, count=len(arrays))
 
 
-def _concatenate_ids(arrays: list[np.ndarray], owner: str) -> np.ndarray:
+def _concatenate_ids(arrays: list[np.ndarray], lengths: np.ndarray, owner: str) -> np.ndarray:
   """The samples' ids as one integer array (the values of the CSR form)."""
-  for b, array in enumerate(arrays):
-    if array.size and not np.issubdtype(array.dtype, np.integer):
-      raise TypeError(
-          f"{owner}: ids must be integers, but sample {b} holds {array.dtype} values"
-          f" {array[:3].tolist()}. Hash or bucket non-integer ids into [0, vocabulary_size)"
-          " first."
-      )
-  pieces = [array for array in arrays if array.size]
+  pieces = [array for array, n in zip(arrays, lengths) if n]
   if not pieces:
     return np.zeros(0, np.int64)
+  if any(not np.issubdtype(dtype, np.integer) for dtype in set(map(_DTYPE, pieces))):
+    b = next(b for b, (a, n) in enumerate(zip(arrays, lengths))
+             if n and not np.issubdtype(a.dtype, np.integer))
+    raise TypeError(
+        f"{owner}: ids must be integers, but sample {b} holds {arrays[b].dtype} values"
+        f" {arrays[b][:3].tolist()}. Hash or bucket non-integer ids into [0, vocabulary_size)"
+        " first."
+    )
   values = np.concatenate(pieces)
   if not np.issubdtype(values.dtype, np.integer):
     # uint64 next to signed ids: numpy promotes them to float64, which rounds ids
@@ -193,20 +212,17 @@ def _concatenate_ids(arrays: list[np.ndarray], owner: str) -> np.ndarray:
 
 
 def _ragged_from_rows(rows, weights, *, owner: str) -> RaggedIds:
-  arrays = _row_arrays(rows, owner, "ids")
-  lengths = np.fromiter((array.size for array in arrays), dtype=np.int64, count=len(arrays))
+  arrays, lengths = _row_arrays(rows, owner, "ids")
   splits = np.zeros(lengths.size + 1, np.int64)
   np.cumsum(lengths, out=splits[1:])
-  values = _concatenate_ids(arrays, owner)
+  values = _concatenate_ids(arrays, lengths, owner)
   flat_weights = None
   if weights is not None:
-    weight_arrays = _row_arrays(weights, owner, "weights")
+    weight_arrays, weight_lengths = _row_arrays(weights, owner, "weights")
     if len(weight_arrays) != len(arrays):
       raise ValueError(
           f"{owner}: weights hold {len(weight_arrays)} samples but the ids hold {len(arrays)}."
       )
-    weight_lengths = np.fromiter((w.size for w in weight_arrays), dtype=np.int64,
-                                 count=len(weight_arrays))
     bad = np.flatnonzero(weight_lengths != lengths)
     if bad.size:
       b = int(bad[0])
