@@ -634,25 +634,26 @@ def _float32_weights(weights: np.ndarray, values: np.ndarray, splits: np.ndarray
     k = int(bad[0])
     return f"weight {weights[k]} of id {int(values[k])} at {where(k)}"
 
-  finite = np.isfinite(weights)
-  if not finite.all():
-    raise ValueError(
-        f"{owner}: {describe(np.flatnonzero(~finite))} is not finite; weights must be finite"
-        " numbers."
-    )
-  if weights.dtype == np.float32:
-    return weights
   with np.errstate(over="ignore", under="ignore"):
-    narrow = weights.astype(np.float32)
-  beyond = np.isinf(narrow)
-  if beyond.any():
+    narrow = weights.astype(np.float32, copy=False)
+  finite = np.isfinite(narrow)
+  if not finite.all():
+    given = np.isfinite(weights)
+    if not given.all():
+      raise ValueError(
+          f"{owner}: {describe(np.flatnonzero(~given))} is not finite; weights must be finite"
+          " numbers."
+      )
     raise ValueError(
-        f"{owner}: {describe(np.flatnonzero(beyond))} is beyond float32's range (magnitude at"
+        f"{owner}: {describe(np.flatnonzero(~finite))} is beyond float32's range (magnitude at"
         f" most {float(np.finfo(np.float32).max):.4g}); weights are float32. Scale the weights"
         " down."
     )
-  if feature.sequence_length is None and feature.table.combiner != "sum":
-    lost = (narrow == 0) & (weights != 0)
+  if (narrow is not weights and feature.sequence_length is None
+      and feature.table.combiner != "sum"):
+    lost = narrow == 0
+    if lost.any():
+      lost &= weights != 0
     if lost.any():
       samples = np.repeat(np.arange(splits.size - 1), np.diff(splits))
       weighted = np.bincount(samples, np.abs(narrow), minlength=splits.size - 1) > 0
