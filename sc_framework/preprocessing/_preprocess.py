@@ -292,6 +292,11 @@ def collect_stats(
     stats = collect_stats(itertools.islice(dataset, 20), features, layout)
     features = size_limits_from_stats(features, stats, headroom=1.2)
   """
+  if isinstance(batches, Mapping):
+    raise TypeError(
+        "collect_stats takes an iterable of batches, got a mapping (one batch?). Pass a list"
+        " of batches, e.g. collect_stats([batch], ...), or an iterator over a dataset."
+    )
   return merge_stats(
       batch_stats(batch, feature_specs, layout, padding_id=padding_id) for batch in batches
   )

@@ -27,8 +27,11 @@ from sc_framework.preprocessing import (
     RaggedIds,
     RaggedRows,
     SparseIds,
+    batch_stats,
+    collect_stats,
     flatten_input,
     preprocess,
+    size_limits_from_stats,
 )
 from sc_framework.preprocessing import _native
 from sc_framework.specs import FeatureSpec, TableSpec
@@ -406,6 +409,54 @@ def test_weights_beyond_float32(combiner):
   # A weight that rounds to 0 next to a larger one is the rounding of its gain.
   batch = preprocess({"f": DenseIds(ids, [[1e-50, 3.0], [1.0, 3.0]])}, specs, layout)[0]["t"]
   assert batch.entry_gains[0, 0] == 0.0 and batch.entry_gains[0, 1] > 0
+
+
+# --- limits and statistics ----------------------------------------------------
+
+
+def test_capacities_of_numpy_ints():
+  """Capacities computed with numpy (np.ceil(needed * 1.2).astype(int)) were refused."""
+  specs, layout = small_model(2)
+  rng = np.random.default_rng(7)
+  samples = {s.name: random_samples(rng, 8, s.table.vocabulary_size, 5) for s in specs}
+  inputs = {name: ragged(x) for name, x in samples.items()}
+  stats = batch_stats(inputs, specs, layout)
+  needed = {name: np.ceil(np.array(stats[name].required_capacity) * 1.2).astype(np.int64)
+            for name in layout.stack_names}
+  got, _ = preprocess(inputs, specs, layout, capacities={k: tuple(v) for k, v in needed.items()})
+  want, _ = preprocess(inputs, specs, layout,
+                       capacities={k: tuple(map(int, v)) for k, v in needed.items()})
+  for name in want:
+    for a, b in zip(got[name], want[name]):
+      assert_same_bits(a, b)
+  check(layout, specs, got, samples, max_ids=5)
+  with pytest.raises(ValueError, match=r"max_ids_per_partition must be a positive int, got 2.5"):
+    preprocess(inputs, specs, layout, capacities={"users": (np.float64(2.5), 4)})
+
+
+def test_stats_of_some_batches_size_the_limits_of_others():
+  specs, layout = small_model(8)
+  rng = np.random.default_rng(8)
+  batches = [{s.name: random_samples(rng, 8, s.table.vocabulary_size, 5) for s in specs}
+             for _ in range(3)]
+  inputs = [{name: ragged(x) for name, x in b.items()} for b in batches]
+  with pytest.raises(TypeError, match=r"collect_stats takes an iterable of batches, got a"
+                                      r" mapping \(one batch\?\)"):
+    collect_stats(inputs[0], specs, layout)
+  sized = size_limits_from_stats(specs, collect_stats(inputs[:2], specs, layout), headroom=1.0,
+                                 policy="fit")
+  for x, samples in zip(inputs[:2], batches):
+    batch, stats = preprocess(x, sized, layout)
+    assert stats.num_dropped_ids == 0
+    check(layout, sized, batch, samples, max_ids=5)
+  # Another batch may need more: it fits, or raises naming its stack, or drops and counts.
+  try:
+    batch, stats = preprocess(inputs[2], sized, layout)
+    assert stats.num_dropped_ids == 0
+  except PartitionOverflowError as error:
+    assert error.stack in layout.stack_names
+    batch, stats = preprocess(inputs[2], sized, layout, allow_id_dropping=True)
+    assert stats.num_dropped_ids > 0
 
 
 # --- threads and determinism --------------------------------------------------
