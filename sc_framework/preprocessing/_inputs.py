@@ -595,13 +595,15 @@ def flatten_input(
     if low < 0 or high >= table.vocabulary_size:
       bad = np.flatnonzero((values < 0) | (values >= table.vocabulary_size))[0]
       bad_id = int(values[bad])
-      hint = (
-          " Negative ids are only allowed as the padding id: pass padding_id="
-          f"{bad_id} if it marks unused places."
-          if bad_id < 0
-          else " Hash or bucket the ids before preprocessing, or raise the table's"
-          " vocabulary_size."
-      )
+      if bad_id < 0:
+        hint = (" Negative ids are only allowed as the padding id: pass padding_id="
+                f"{bad_id} if it marks unused places.")
+      elif values.dtype.kind == "u" and bad_id == np.iinfo(values.dtype).max:
+        hint = (f" It is -1 in {values.dtype} (the ids' dtype): if it marks unused places,"
+                f" pass padding_id={bad_id} or give the ids a signed dtype.")
+      else:
+        hint = (" Hash or bucket the ids before preprocessing, or raise the table's"
+                " vocabulary_size.")
       raise ValueError(
           f"{owner} (table {table.name!r}, vocabulary_size={table.vocabulary_size}) got id"
           f" {bad_id} at {where(bad)}; ids must be in"

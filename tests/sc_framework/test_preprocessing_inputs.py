@@ -229,6 +229,29 @@ def test_ids_of_every_integer_dtype_and_memory_layout(dtype, num_devices, tmp_pa
       assert_same_bits(a, b)
 
 
+@pytest.mark.parametrize("dtype", [np.uint32, np.uint64])
+def test_unsigned_ids_whose_padding_was_minus_1(dtype):
+  """Padded int64 ids cast to an unsigned dtype: -1 became the dtype's largest value."""
+  specs, layout = small_model(2)
+  rng = np.random.default_rng(9)
+  samples = {s.name: random_samples(rng, 8, s.table.vocabulary_size, 5) for s in specs}
+  ids = dense(samples["user"], 5, -1)
+  assert (ids == -1).any()
+  inputs = {"tag": ragged(samples["tag"]), "user": ids.astype(dtype)}
+  largest = int(np.iinfo(dtype).max)
+  with pytest.raises(ValueError, match=rf"got id {largest} at sample \d+; ids must be in"
+                                       rf" \[0, 120\). It is -1 in {np.dtype(dtype)} \(the ids'"
+                                       rf" dtype\): if it marks unused places, pass"
+                                       rf" padding_id={largest}"):
+    preprocess(inputs, specs, layout, padding_id={"user": -1})
+  got, _ = preprocess(inputs, specs, layout, padding_id={"user": largest})
+  want, _ = preprocess({**inputs, "user": ids}, specs, layout, padding_id={"user": -1})
+  for name in want:
+    for a, b in zip(got[name], want[name]):
+      assert_same_bits(a, b)
+  check(layout, specs, got, samples, max_ids=5)
+
+
 @pytest.mark.parametrize("groups,num_devices,shards", [
     ([["big"], ["small"]], 4, 1), ([["big"], ["small"]], 4, 2), ([["small", "big"]], 8, 1)])
 @pytest.mark.parametrize("dtype", [np.int64, np.uint64, np.uint32])
