@@ -513,6 +513,24 @@ def _check_sample_lengths(splits: np.ndarray, feature: FeatureSpec, owner: str) 
     )
 
 
+def _check_batch(batch: int, feature: FeatureSpec, batch_size: int | None, owner: str) -> None:
+  """The batch holds the samples expected (`flatten_input`'s batch_size, else the spec's)."""
+  if batch_size is not None and batch_size != feature.batch_size:
+    if batch != batch_size:
+      raise ValueError(
+          f"{owner}: got a batch of {batch} samples but expected {batch_size}, this"
+          f" process's share of the FeatureSpec's global batch size {feature.batch_size} (the"
+          " samples of the devices it feeds). Feed each process its contiguous slice of every"
+          " global batch."
+      )
+  elif batch != feature.batch_size:
+    raise ValueError(
+        f"{owner}: got a batch of {batch} samples but its FeatureSpec has batch size"
+        f" {feature.batch_size} (input_shape {feature.input_shape}). Feed batches of the spec's"
+        " size, or change the spec."
+    )
+
+
 def _sample_of(splits: np.ndarray, position: int) -> int:
   return int(np.searchsorted(splits, position, side="right") - 1)
 
@@ -558,6 +576,10 @@ def flatten_input(
         f"{owner}: padding_id must be an int id (e.g. -1) or None, got {padding_id!r}"
         f" ({type(padding_id).__name__})."
     )
+  if isinstance(value, SparseIds):  # before arrays of dense_shape[0] samples are made
+    declared = np.asarray(value.dense_shape).reshape(-1)
+    if declared.size and np.issubdtype(declared.dtype, np.integer):
+      _check_batch(int(declared[0]), feature, batch_size, owner)
   length = feature.sequence_length
   if length is None:
     values, splits, weights, padding_done = _to_csr(value, owner, padding_id)
@@ -565,20 +587,7 @@ def flatten_input(
   else:
     values, splits, weights, batch = _sequence_csr(value, feature, owner, padding_id)
     padding_done = True
-  if batch_size is not None and batch_size != feature.batch_size:
-    if batch != batch_size:
-      raise ValueError(
-          f"{owner}: got a batch of {batch} samples but expected {batch_size}, this"
-          f" process's share of the FeatureSpec's global batch size {feature.batch_size} (the"
-          " samples of the devices it feeds). Feed each process its contiguous slice of every"
-          " global batch."
-      )
-  elif batch != feature.batch_size:
-    raise ValueError(
-        f"{owner}: got a batch of {batch} samples but its FeatureSpec has batch size"
-        f" {feature.batch_size} (input_shape {feature.input_shape}). Feed batches of the spec's"
-        " size, or change the spec."
-    )
+  _check_batch(batch, feature, batch_size, owner)
   if padding_id is not None and not padding_done:
     values, splits, weights = _remove_padding(values, splits, weights, padding_id)
   if length is None:

@@ -12,6 +12,7 @@ Every test runs with the C++ preprocessing loops (where built) and with numpy.
 from __future__ import annotations
 
 import math
+import tracemalloc
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
@@ -387,6 +388,21 @@ def test_coo_with_a_huge_dense_shape(width):
     with pytest.raises(ValueError, match=r"COO index \[1, 1099511627776\] appears more than once"
                                          r" \(entries 0 and 2\)"):
       flatten_input(twice, specs[0])
+
+
+def test_coo_of_a_wrong_batch_size_is_refused_before_its_arrays_are_made():
+  """dense_shape (2^26, 1) for a batch of 4: [2^26 + 1] arrays were built, then refused."""
+  spec = FeatureSpec("f", TableSpec("t", 100, 8), (4, None))
+  coo = SparseIds([[0, 0], [1, 0]], [1, 2], (2**26, 1))
+  tracemalloc.start()
+  try:
+    with pytest.raises(ValueError, match=r"feature 'f': got a batch of 67108864 samples but its"
+                                         r" FeatureSpec has batch size 4"):
+      flatten_input(coo, spec)
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+  assert peak < 2**20, f"{peak} bytes allocated"
 
 
 # --- weights ------------------------------------------------------------------
