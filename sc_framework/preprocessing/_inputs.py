@@ -566,7 +566,8 @@ def flatten_input(
       the spec's input_shape[1] (for a sequence feature: an id at a position
       >= L), a COO position given twice, ids outside
       [0, V) that are not the padding id, weights whose shape differs from the
-      ids', NaN or infinite weights.
+      ids', NaN or infinite weights, weights beyond float32's range (or, under
+      'mean' / 'sqrtn', a sample whose weights all round to 0 in float32).
   """
   table = feature.table
   owner = f"feature {feature.name!r}"

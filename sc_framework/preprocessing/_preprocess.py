@@ -222,8 +222,8 @@ def preprocess(
     ValueError: a missing or unknown feature, a batch size that differs from
       the spec or is not divisible by G, an id outside [0, V) that is not the
       padding id, weights that do not match the ids or are not finite, a mean
-      over weights summing to 0, weights so large that a gain overflows
-      float32, or (without dropping) a partition overflow;
+      over weights summing to 0, weights that float32 cannot hold or so large
+      that a gain overflows float32, or (without dropping) a partition overflow;
       each message names the feature or stack, the value and a fix.
     TypeError: ids that are not integers, a malformed input, or an
       allow_id_dropping that is not a bool.
