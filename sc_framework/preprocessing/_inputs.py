@@ -30,6 +30,8 @@ ids (the list form loops once over samples to read their lengths).
 from __future__ import annotations
 
 import dataclasses
+import operator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -66,9 +68,11 @@ class RaggedIds:
 
     The lengths are checked with the rest of the batch, by `flatten_input`.
     """
-    lengths = np.asarray(lengths)
-    splits = np.zeros(lengths.size + 1, lengths.dtype if lengths.size else np.int64)
-    np.cumsum(lengths.reshape(-1), out=splits[1:])
+    lengths = np.asarray(lengths).reshape(-1)
+    # Integer lengths sum in int64: narrow ones (e.g. int8) would wrap around.
+    integer = lengths.size == 0 or np.issubdtype(lengths.dtype, np.integer)
+    splits = np.zeros(lengths.size + 1, np.int64 if integer else lengths.dtype)
+    np.cumsum(lengths, out=splits[1:], dtype=splits.dtype)
     return cls(values, splits, weights)
 
   @classmethod
@@ -124,28 +128,101 @@ class FlatIds:
     return np.diff(self.row_splits)
 
 
+_NDIM, _DTYPE = operator.attrgetter("ndim"), operator.attrgetter("dtype")
+_OBJECT = np.dtype(object)
+
 FeatureInput = Any
 """One feature's ids: an array, a list of arrays, DenseIds, RaggedRows, RaggedIds or SparseIds."""
 
 
-def _ragged_from_rows(rows, weights, *, owner: str) -> RaggedIds:
+def _row_array(row, b: int, owner: str, what: str) -> np.ndarray:
+  """Sample b's entry of a ragged batch as a 1-D array, or an error naming the sample."""
   try:
-    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
-  except TypeError as error:
-    raise TypeError(
-        f"{owner}: a ragged batch must be a sequence of per-sample id sequences ({error})."
+    array = np.asarray(row)
+    if array.dtype == object:  # e.g. a row of an object array: Python ints
+      array = np.asarray(array.tolist())
+  except ValueError as error:  # e.g. nested lists of different lengths
+    raise ValueError(
+        f"{owner}: the {what} of sample {b} are not a flat sequence ({error})."
     ) from None
+  if array.ndim == 0:
+    hint = (" For one id per sample, pass an array of shape [B] (np.asarray(ids))."
+            if what == "ids" else "")
+    raise TypeError(
+        f"{owner}: sample {b} of the ragged {what} is {row!r} ({type(row).__name__}), not a"
+        f" sequence: a list (or object array) holds one sequence of {what} per sample.{hint}"
+    )
+  if array.ndim != 1:
+    raise ValueError(
+        f"{owner}: the {what} of sample {b} have shape {array.shape}; a ragged batch holds"
+        f" one 1-D sequence of {what} per sample. Flatten each sample's {what} (np.ravel),"
+        " or pass a dense [B, L] array."
+    )
+  return array
+
+
+def _row_arrays(rows, owner: str, what: str) -> tuple[list[np.ndarray], np.ndarray]:
+  """(every sample's entry of a ragged batch (ids or weights) as a 1-D array, lengths [B]).
+
+  One pass of C-level maps; the samples are looked at one by one only when
+  one of them is not a flat 1-D sequence of numbers (`_row_array`).
+  """
+  if not hasattr(rows, "__len__"):
+    raise TypeError(
+        f"{owner}: ragged {what} must be a sequence of per-sample sequences, got"
+        f" {type(rows).__name__}."
+    )
+  try:
+    arrays = list(map(np.asarray, rows))
+    ndims = np.fromiter(map(_NDIM, arrays), np.int64, count=len(arrays))
+    plain = (ndims == 1).all() and _OBJECT not in set(map(_DTYPE, arrays))
+  except ValueError:
+    plain = False
+  if not plain:
+    arrays = [_row_array(row, b, owner, what) for b, row in enumerate(rows)]
+  return arrays, np.fromiter(map(len, arrays), np.int64, count=len(arrays))
+
+
+def _concatenate_ids(arrays: list[np.ndarray], lengths: np.ndarray, owner: str) -> np.ndarray:
+  """The samples' ids as one integer array (the values of the CSR form)."""
+  pieces = [array for array, n in zip(arrays, lengths) if n]
+  if not pieces:
+    return np.zeros(0, np.int64)
+  if any(not np.issubdtype(dtype, np.integer) for dtype in set(map(_DTYPE, pieces))):
+    b = next(b for b, (a, n) in enumerate(zip(arrays, lengths))
+             if n and not np.issubdtype(a.dtype, np.integer))
+    raise TypeError(
+        f"{owner}: ids must be integers, but sample {b} holds {arrays[b].dtype} values"
+        f" {arrays[b][:3].tolist()}. Hash or bucket non-integer ids into [0, vocabulary_size)"
+        " first."
+    )
+  values = np.concatenate(pieces)
+  if not np.issubdtype(values.dtype, np.integer):
+    # uint64 next to signed ids: numpy promotes them to float64, which rounds ids
+    # above 2^53. Every id of a table fits int64.
+    for b, array in enumerate(arrays):
+      if array.dtype == np.uint64 and array.size and array.max() > np.iinfo(np.int64).max:
+        raise ValueError(
+            f"{owner}: sample {b} has id {int(array.max())}, beyond every vocabulary (ids"
+            " must be in [0, vocabulary_size) of the feature's table). Hash or bucket the"
+            " ids before preprocessing."
+        )
+    values = np.concatenate(pieces, dtype=np.int64, casting="unsafe")
+  return values
+
+
+def _ragged_from_rows(rows, weights, *, owner: str) -> RaggedIds:
+  arrays, lengths = _row_arrays(rows, owner, "ids")
   splits = np.zeros(lengths.size + 1, np.int64)
   np.cumsum(lengths, out=splits[1:])
-  pieces = [np.asarray(r).ravel() for r, n in zip(rows, lengths) if n]
-  values = np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
+  values = _concatenate_ids(arrays, lengths, owner)
   flat_weights = None
   if weights is not None:
-    if len(weights) != len(rows):
+    weight_arrays, weight_lengths = _row_arrays(weights, owner, "weights")
+    if len(weight_arrays) != len(arrays):
       raise ValueError(
-          f"{owner}: weights hold {len(weights)} samples but the ids hold {len(rows)}."
+          f"{owner}: weights hold {len(weight_arrays)} samples but the ids hold {len(arrays)}."
       )
-    weight_lengths = np.fromiter(map(len, weights), dtype=np.int64, count=len(weights))
     bad = np.flatnonzero(weight_lengths != lengths)
     if bad.size:
       b = int(bad[0])
@@ -153,7 +230,8 @@ def _ragged_from_rows(rows, weights, *, owner: str) -> RaggedIds:
           f"{owner}: sample {b} has {lengths[b]} ids but {weight_lengths[b]} weights; weights"
           " must match the ids one to one."
       )
-    pieces = [np.asarray(w, np.float32).ravel() for w, n in zip(weights, lengths) if n]
+    # Their dtype is checked with the other forms' (`flatten_input`), not cast here.
+    pieces = [w for w, n in zip(weight_arrays, lengths) if n]
     flat_weights = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
   return RaggedIds(values, splits, flat_weights)
 
@@ -180,7 +258,7 @@ def _to_csr(value: FeatureInput, owner: str, padding_id: int | None):
     ids = ids[:, None]
   batch, width = ids.shape
   if weights is not None:
-    weights = np.asarray(weights)
+    weights = _weights_array(weights, owner, "ids", ids.shape)
     if width == 1 and weights.shape == (batch,):
       # One id per sample: weights [B] go with ids [B] or [B, 1]. Any other
       # reshape (e.g. weights [L, B] for ids [B, L]) would pair ids with
@@ -200,11 +278,20 @@ def _to_csr(value: FeatureInput, owner: str, padding_id: int | None):
   return values, splits, flat_weights, True
 
 
+def _weights_array(weights, owner: str, what: str, shape: tuple[int, ...]) -> np.ndarray:
+  try:
+    return np.asarray(weights)
+  except ValueError as error:  # e.g. per-sample lists of different lengths
+    raise ValueError(
+        f"{owner}: weights must be an array of the {what}' shape {shape} ({error})."
+    ) from None
+
+
 def _matching_weights(weights, ids: np.ndarray, owner: str, what: str) -> np.ndarray | None:
   """The weights as an array of the ids' shape; None stays None."""
   if weights is None:
     return None
-  weights = np.asarray(weights)
+  weights = _weights_array(weights, owner, what, ids.shape)
   if weights.shape != ids.shape:
     raise ValueError(
         f"{owner}: weights have shape {weights.shape} but the {what} have {ids.shape}; they"
@@ -246,11 +333,22 @@ def _check_ragged(value: RaggedIds, owner: str):
   else:
     values = values.astype(np.int64)
   if splits.ndim != 1 or splits.size == 0 or not np.issubdtype(splits.dtype, np.integer):
-    raise ValueError(f"{owner}: row_splits must be a non-empty 1-D integer array.")
-  if splits[0] != 0 or splits[-1] != values.size or np.any(splits[1:] < splits[:-1]):
     raise ValueError(
-        f"{owner}: row_splits must be non-decreasing from 0 to len(values) = {values.size},"
-        f" got [{splits[0]}, ..., {splits[-1]}]."
+        f"{owner}: row_splits (or the lengths of RaggedIds.from_lengths) must be a non-empty"
+        f" 1-D integer array, got shape {splits.shape} and dtype {splits.dtype}."
+    )
+  decreasing = np.flatnonzero(splits[1:] < splits[:-1])
+  if decreasing.size:
+    b = int(decreasing[0])
+    raise ValueError(
+        f"{owner}: row_splits must be non-decreasing, but sample {b} has row_splits[{b}] ="
+        f" {splits[b]} > row_splits[{b + 1}] = {splits[b + 1]} (length"
+        f" {int(splits[b + 1]) - int(splits[b])}). Give every sample a length >= 0."
+    )
+  if splits[0] != 0 or splits[-1] != values.size:
+    raise ValueError(
+        f"{owner}: row_splits must run from 0 to len(values) = {values.size}, got"
+        f" [{splits[0]}, ..., {splits[-1]}] (lengths summing to {splits[-1] - splits[0]})."
     )
   weights = _matching_weights(value.weights, values, owner, "ids")
   return values, splits.astype(np.int64, copy=False), weights, False
@@ -293,16 +391,20 @@ def _coo_sorted(value: SparseIds, owner: str):
       )
   weights = _matching_weights(value.weights, values, owner, "COO values")
   if samples.size > 1:
-    order_key = samples * (shape[1] if len(shape) == 2 else 1)
-    if len(shape) == 2:
-      order_key = order_key + indices[:, 1]
+    # One int64 key per (sample, position), when the positions in use allow one
+    # (dense_shape[1] itself may be huge, e.g. 2^62 for "any length").
+    width = int(positions.max()) + 1
     order = None
-    if np.any(order_key[1:] < order_key[:-1]):
-      order = np.argsort(order_key, kind="stable")
-      samples, values, order_key = samples[order], values[order], order_key[order]
-      positions = positions[order]
+    if shape[0] * width <= np.iinfo(np.int64).max:
+      order_key = samples * width + positions
+      if np.any(order_key[1:] < order_key[:-1]):
+        order = np.argsort(order_key, kind="stable")
+    else:
+      order = np.lexsort((positions, samples))
+    if order is not None:
+      samples, values, positions = samples[order], values[order], positions[order]
       weights = None if weights is None else weights[order]
-    repeated = np.flatnonzero(order_key[1:] == order_key[:-1])
+    repeated = np.flatnonzero((samples[1:] == samples[:-1]) & (positions[1:] == positions[:-1]))
     if repeated.size:
       first, k = int(repeated[0]), int(repeated[0] + 1)
       if order is not None:
@@ -411,6 +513,24 @@ def _check_sample_lengths(splits: np.ndarray, feature: FeatureSpec, owner: str) 
     )
 
 
+def _check_batch(batch: int, feature: FeatureSpec, batch_size: int | None, owner: str) -> None:
+  """The batch holds the samples expected (`flatten_input`'s batch_size, else the spec's)."""
+  if batch_size is not None and batch_size != feature.batch_size:
+    if batch != batch_size:
+      raise ValueError(
+          f"{owner}: got a batch of {batch} samples but expected {batch_size}, this"
+          f" process's share of the FeatureSpec's global batch size {feature.batch_size} (the"
+          " samples of the devices it feeds). Feed each process its contiguous slice of every"
+          " global batch."
+      )
+  elif batch != feature.batch_size:
+    raise ValueError(
+        f"{owner}: got a batch of {batch} samples but its FeatureSpec has batch size"
+        f" {feature.batch_size} (input_shape {feature.input_shape}). Feed batches of the spec's"
+        " size, or change the spec."
+    )
+
+
 def _sample_of(splits: np.ndarray, position: int) -> int:
   return int(np.searchsorted(splits, position, side="right") - 1)
 
@@ -446,7 +566,8 @@ def flatten_input(
       the spec's input_shape[1] (for a sequence feature: an id at a position
       >= L), a COO position given twice, ids outside
       [0, V) that are not the padding id, weights whose shape differs from the
-      ids', NaN or infinite weights.
+      ids', NaN or infinite weights, weights beyond float32's range (or, under
+      'mean' / 'sqrtn', a sample whose weights all round to 0 in float32).
   """
   table = feature.table
   owner = f"feature {feature.name!r}"
@@ -456,6 +577,10 @@ def flatten_input(
         f"{owner}: padding_id must be an int id (e.g. -1) or None, got {padding_id!r}"
         f" ({type(padding_id).__name__})."
     )
+  if isinstance(value, SparseIds):  # before arrays of dense_shape[0] samples are made
+    declared = np.asarray(value.dense_shape).reshape(-1)
+    if declared.size and np.issubdtype(declared.dtype, np.integer):
+      _check_batch(int(declared[0]), feature, batch_size, owner)
   length = feature.sequence_length
   if length is None:
     values, splits, weights, padding_done = _to_csr(value, owner, padding_id)
@@ -463,20 +588,7 @@ def flatten_input(
   else:
     values, splits, weights, batch = _sequence_csr(value, feature, owner, padding_id)
     padding_done = True
-  if batch_size is not None and batch_size != feature.batch_size:
-    if batch != batch_size:
-      raise ValueError(
-          f"{owner}: got a batch of {batch} samples but expected {batch_size}, this"
-          f" process's share of the FeatureSpec's global batch size {feature.batch_size} (the"
-          " samples of the devices it feeds). Feed each process its contiguous slice of every"
-          " global batch."
-      )
-  elif batch != feature.batch_size:
-    raise ValueError(
-        f"{owner}: got a batch of {batch} samples but its FeatureSpec has batch size"
-        f" {feature.batch_size} (input_shape {feature.input_shape}). Feed batches of the spec's"
-        " size, or change the spec."
-    )
+  _check_batch(batch, feature, batch_size, owner)
   if padding_id is not None and not padding_done:
     values, splits, weights = _remove_padding(values, splits, weights, padding_id)
   if length is None:
@@ -493,30 +605,75 @@ def flatten_input(
     if low < 0 or high >= table.vocabulary_size:
       bad = np.flatnonzero((values < 0) | (values >= table.vocabulary_size))[0]
       bad_id = int(values[bad])
-      hint = (
-          " Negative ids are only allowed as the padding id: pass padding_id="
-          f"{bad_id} if it marks unused places."
-          if bad_id < 0
-          else " Hash or bucket the ids before preprocessing, or raise the table's"
-          " vocabulary_size."
-      )
+      if bad_id < 0:
+        hint = (" Negative ids are only allowed as the padding id: pass padding_id="
+                f"{bad_id} if it marks unused places.")
+      elif values.dtype.kind == "u" and bad_id == np.iinfo(values.dtype).max:
+        hint = (f" It is -1 in {values.dtype} (the ids' dtype): if it marks unused places,"
+                f" pass padding_id={bad_id} or give the ids a signed dtype.")
+      else:
+        hint = (" Hash or bucket the ids before preprocessing, or raise the table's"
+                " vocabulary_size.")
       raise ValueError(
           f"{owner} (table {table.name!r}, vocabulary_size={table.vocabulary_size}) got id"
           f" {bad_id} at {where(bad)}; ids must be in"
           f" [0, {table.vocabulary_size}).{hint}"
       )
   if weights is not None:
-    if not _is_real(weights.dtype):
-      raise TypeError(
-          f"{owner}: weights must be a real (float or integer) array, got dtype"
-          f" {weights.dtype}."
-      )
-    weights = weights.astype(np.float32, copy=False)
-    finite = np.isfinite(weights)
-    if not finite.all():
-      bad = int(np.flatnonzero(~finite)[0])
-      raise ValueError(
-          f"{owner} (table {table.name!r}): weight {weights[bad]} of id {int(values[bad])} at"
-          f" {where(bad)} is not finite; weights must be finite numbers."
-      )
+    weights = _float32_weights(weights, values, splits, feature, where)
   return FlatIds(values, splits, weights)
+
+
+def _float32_weights(weights: np.ndarray, values: np.ndarray, splits: np.ndarray,
+                     feature: FeatureSpec, where: Callable[[int], str]) -> np.ndarray:
+  """The weights as float32, refusing those that float32 does not stand for.
+
+  Refused: a dtype that is not real; NaN or infinite weights; finite weights
+  beyond float32's range; and, for a combined feature under 'mean' or
+  'sqrtn', a sample whose given weights are not all 0 but all round to 0 in
+  float32 (its combiner would see no weight at all, and the sample no id).
+  A weight that rounds to 0 next to larger ones is float32's rounding of
+  its gain, as under 'sum'.
+  """
+  owner = f"feature {feature.name!r} (table {feature.table.name!r})"
+  if not _is_real(weights.dtype):
+    raise TypeError(
+        f"feature {feature.name!r}: weights must be a real (float or integer) array, got dtype"
+        f" {weights.dtype}."
+    )
+
+  def describe(bad: np.ndarray) -> str:
+    k = int(bad[0])
+    return f"weight {weights[k]} of id {int(values[k])} at {where(k)}"
+
+  with np.errstate(over="ignore", under="ignore"):
+    narrow = weights.astype(np.float32, copy=False)
+  finite = np.isfinite(narrow)
+  if not finite.all():
+    given = np.isfinite(weights)
+    if not given.all():
+      raise ValueError(
+          f"{owner}: {describe(np.flatnonzero(~given))} is not finite; weights must be finite"
+          " numbers."
+      )
+    raise ValueError(
+        f"{owner}: {describe(np.flatnonzero(~finite))} is beyond float32's range (magnitude at"
+        f" most {float(np.finfo(np.float32).max):.4g}); weights are float32. Scale the weights"
+        " down."
+    )
+  if (narrow is not weights and feature.sequence_length is None
+      and feature.table.combiner != "sum"):
+    lost = narrow == 0
+    if lost.any():
+      lost &= weights != 0
+    if lost.any():
+      samples = np.repeat(np.arange(splits.size - 1), np.diff(splits))
+      weighted = np.bincount(samples, np.abs(narrow), minlength=splits.size - 1) > 0
+      bad = np.flatnonzero(lost & ~weighted[samples])
+      if bad.size:
+        raise ValueError(
+            f"{owner}: {describe(bad)} rounds to 0 in float32, as does every weight of its"
+            f" sample, so the {feature.table.combiner!r} combiner would see no weight. Scale"
+            " the sample's weights up (the combined result does not depend on their scale)."
+        )
+  return narrow

@@ -222,8 +222,8 @@ def preprocess(
     ValueError: a missing or unknown feature, a batch size that differs from
       the spec or is not divisible by G, an id outside [0, V) that is not the
       padding id, weights that do not match the ids or are not finite, a mean
-      over weights summing to 0, weights so large that a gain overflows
-      float32, or (without dropping) a partition overflow;
+      over weights summing to 0, weights that float32 cannot hold or so large
+      that a gain overflows float32, or (without dropping) a partition overflow;
       each message names the feature or stack, the value and a fix.
     TypeError: ids that are not integers, a malformed input, or an
       allow_id_dropping that is not a bool.
@@ -292,6 +292,11 @@ def collect_stats(
     stats = collect_stats(itertools.islice(dataset, 20), features, layout)
     features = size_limits_from_stats(features, stats, headroom=1.2)
   """
+  if isinstance(batches, Mapping):
+    raise TypeError(
+        "collect_stats takes an iterable of batches, got a mapping (one batch?). Pass a list"
+        " of batches, e.g. collect_stats([batch], ...), or an iterator over a dataset."
+    )
   return merge_stats(
       batch_stats(batch, feature_specs, layout, padding_id=padding_id) for batch in batches
   )

@@ -22,6 +22,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal, NamedTuple
 
+from sc_framework._scalars import python_scalar
 from sc_framework.specs import FeatureSpec, TableSpec, tables_of
 from sc_framework.stacking import EmbeddingLayout
 
@@ -67,6 +68,7 @@ def _check_capacity(stack: str, capacity) -> StackCapacity:
         f"stack {stack!r}: a capacity must be a StackCapacity(max_ids_per_partition,"
         f" max_unique_ids_per_partition) or a pair of ints, got {capacity!r}."
     ) from None
+  ids, unique = python_scalar(ids), python_scalar(unique)  # numpy ints are ints
   for name, value in (("max_ids_per_partition", ids), ("max_unique_ids_per_partition", unique)):
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
       raise ValueError(f"stack {stack!r}: {name} must be a positive int, got {value!r}.")
