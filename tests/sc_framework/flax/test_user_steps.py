@@ -95,3 +95,32 @@ def test_linen_value_and_grad_refuses_params_or_embedding_as_collections():
   value_and_grad = linen_value_and_grad(model, _normalized_loss)
   with pytest.raises(ValueError, match=r"collections= holds \['params'\], which are given as"):
     value_and_grad({}, {}, None, None, collections={"params": {}, "batch_stats": {}})
+
+
+def test_the_linen_step_refuses_a_batch_of_another_plan_with_the_same_shapes():
+  """Another vocabulary, same G, N and capacities: the jitted step once trained nothing."""
+  users = TableSpec("users", 64, 8, optimizer=SGD(0.1))
+  features = (FeatureSpec("user", users, (ref.BATCH, 2)),)
+  other_users = TableSpec("users", 4000, 8, optimizer=SGD(0.1))
+  other = (FeatureSpec("user", other_users, (ref.BATCH, 2)),)
+  mesh = ref.mesh(8)
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, batch):
+      return nn.Dense(1)(LinenSparseEmbed(features, mesh=mesh)(batch)["user"])[:, 0]
+
+  def loss_fn(apply, batch):
+    return jnp.mean(apply(batch) ** 2)
+
+  ids = {"user": DenseIds(np.arange(2 * ref.BATCH).reshape(ref.BATCH, 2) % 64)}
+  batch, _ = preprocess(ids, features, auto_stack_tables(features, num_devices=8))
+  theirs, _ = preprocess(ids, other, auto_stack_tables(other, num_devices=8))
+  model, tx = Model(), optax.sgd(0.1)
+  state = init_linen_train_state(model, tx, jax.random.key(0), batch)
+  step = make_linen_train_step(model, tx, loss_fn)
+  state, _ = step(state, batch)
+  with pytest.raises(ValueError, match=r"LinenSparseEmbed 'LinenSparseEmbed_0': batch\['users'\]"
+                                       r" was preprocessed for another layout.*table 'users'"
+                                       r" vocabulary_size 4000 \(batch\) vs 64 \(plan\)"):
+    step(state, theirs)
