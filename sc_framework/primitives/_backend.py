@@ -147,6 +147,13 @@ def get_backend(name: str | EmbeddingBackend, plan: EmbeddingPlan) -> EmbeddingB
   else:
     backend = _REGISTRY[name]
   if not backend.supports(plan):
+    if backend is CPU_BACKEND and _on_cpu(plan):
+      built = "do not work with this jax/jaxlib" if _kernels_built() else "are not built"
+      raise ValueError(
+          f"embedding backend 'cpu' needs the C++ CPU kernels, which {built} here. Reinstall"
+          " the package with a C++17 compiler available (`pip install -e .` in the"
+          " repository), or use backend='xla' (the portable ops, slower on CPU)."
+      )
     raise ValueError(
         f"embedding backend {backend.name!r} cannot run this plan on devices"
         f" {sorted({d.platform for d in plan.mesh.devices.flat})}; use backend='xla'."

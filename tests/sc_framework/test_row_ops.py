@@ -32,6 +32,7 @@ from sc_framework.primitives import (
     get_backend,
     init_embedding_variables,
 )
+from sc_framework.primitives import _backend
 from sc_framework.primitives._row_ops import CPU_KERNEL_OPS, XLA_OPS, cpu_kernels_available
 from tests.numerics import assert_close, assert_same_bits
 
@@ -108,6 +109,21 @@ def test_auto_backend_on_cpu():
   assert "xla" in available_backends()
   with pytest.raises(ValueError, match="unknown embedding backend 'tpu_magic'"):
     get_backend("tpu_magic", plan)
+
+
+@pytest.mark.parametrize("built", [False, True], ids=["not_built", "not_working"])
+def test_the_cpu_backend_without_its_kernels_says_so(monkeypatch, built):
+  """backend='cpu' on CPU devices without working kernels was refused as unable to run
+  "on devices ['cpu']", which named neither the missing kernels nor how to get them."""
+  plan = EmbeddingPlan.create(
+      [FeatureSpec("f", TableSpec("t", 10, 4), (8, 2))],
+      mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("devices",)))
+  monkeypatch.setattr(_backend, "cpu_kernels_available", lambda: False)
+  monkeypatch.setattr(_backend, "_kernels_built", lambda: built)
+  reason = "do not work with this jax/jaxlib" if built else "are not built"
+  with pytest.raises(ValueError, match=rf"backend 'cpu' needs the C\+\+ CPU kernels, which"
+                                       rf" {reason} here\. Reinstall .* or use backend='xla'"):
+    get_backend("cpu", plan)
 
 
 def test_a_backend_value_is_used_without_registration():
