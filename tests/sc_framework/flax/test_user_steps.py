@@ -17,15 +17,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import flax_reference as ref
 from sc_framework import FeatureSpec, TableSpec
 from sc_framework.flax import (
     LinenSparseEmbed,
+    NnxSparseEmbed,
     apply_linen_embedding_grads,
     init_linen_train_state,
     linen_value_and_grad,
     make_linen_train_step,
+    make_nnx_train_step,
 )
 from sc_framework.optimizers import SGD
 from sc_framework.preprocessing import DenseIds, preprocess
@@ -124,3 +127,30 @@ def test_the_linen_step_refuses_a_batch_of_another_plan_with_the_same_shapes():
                                        r" was preprocessed for another layout.*table 'users'"
                                        r" vocabulary_size 4000 \(batch\) vs 64 \(plan\)"):
     step(state, theirs)
+
+
+class _NnxModel(nnx.Module):
+  def __init__(self, *, rngs: nnx.Rngs):
+    self.embed = NnxSparseEmbed(ref.FEATURES, mesh=ref.mesh(1), rngs=rngs)
+    self.out = nnx.Linear(ref.WIDTH, 1, rngs=rngs)
+
+  def __call__(self, batch):
+    activations = self.embed(batch)
+    return self.out(jnp.concatenate([activations[f.name] for f in ref.FEATURES], -1))[:, 0]
+
+
+@pytest.mark.parametrize("wrt", [nnx.Variable, ...], ids=["Variable", "everything"])
+def test_the_nnx_step_refuses_an_optimizer_that_holds_the_tables(wrt):
+  """An optimizer over every variable kept optax state as large as the tables, and the
+  step then failed inside optax with a pytree structure error naming neither."""
+  model = _NnxModel(rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=wrt)
+  step = make_nnx_train_step(lambda model, batch: jnp.mean(model(batch) ** 2))
+  raw, _ = ref.raw_batch(0)
+  batch = ref.preprocessed(raw, model.embed.plan.layout)
+  with pytest.raises(ValueError, match=r"nnx.Optimizer's wrt=.* selects the EmbeddingVariables"
+                                       r" .* of the embedding layers \['embed'\].*"
+                                       r" wrt=nnx.Param\)"):
+    step(model, optimizer, batch)
+  model = _NnxModel(rngs=nnx.Rngs(0))
+  step(model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param), batch)
