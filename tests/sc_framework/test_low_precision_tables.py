@@ -63,19 +63,20 @@ def _assert_rounded_once(actual, exact, dtype, *, terms: int) -> None:
       f" rounding to {jnp.dtype(dtype).name} {bound[worst]:.3g}")
 
 
+@pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("backend", _BACKENDS)
 @pytest.mark.parametrize("num_devices", [1, 8])
 @pytest.mark.parametrize("dtype_name", list(_DTYPES))
 def test_a_row_read_by_thousands_of_samples_gets_its_whole_gradient(dtype_name, num_devices,
-                                                                    backend):
+                                                                    backend, seed):
   dtype, np_dtype = _DTYPES[dtype_name]
   batch_size = 4096  # 512 samples per device on 8 devices: more than bfloat16 counts exactly
   feature = FeatureSpec("f", _table(max_ids_per_partition=batch_size), (batch_size, 1))
   plan = _plan(feature, num_devices)
-  rng = np.random.default_rng(0)
+  rng = np.random.default_rng(seed)
   ids = rng.integers(0, 3, (batch_size, 1))  # three rows, each read by ~1365 samples
   batch, _ = preprocess({"f": DenseIds(ids)}, [feature], plan.layout)
-  variables = init_embedding_variables(plan, jax.random.key(1), dtype=dtype)
+  variables = init_embedding_variables(plan, jax.random.key(seed), dtype=dtype)
   grads = rng.uniform(0.5, 1.5, (batch_size, DIM)).astype(np_dtype)
   update = jax.jit(lambda v, b, g: apply_embedding_gradients(plan, v, b, g, 0, backend=backend))
   new = update(variables, batch, {"f": jnp.asarray(grads)})
@@ -88,22 +89,24 @@ def test_a_row_read_by_thousands_of_samples_gets_its_whole_gradient(dtype_name, 
   _assert_rounded_once(after, expected, dtype, terms=batch_size)
 
 
+@pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("backend", _BACKENDS)
 @pytest.mark.parametrize("num_devices", [1, 8])
 @pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
 @pytest.mark.parametrize("dtype_name", list(_DTYPES))
-def test_a_sample_of_a_thousand_ids_sums_every_row(dtype_name, combiner, num_devices, backend):
+def test_a_sample_of_a_thousand_ids_sums_every_row(dtype_name, combiner, num_devices, backend,
+                                                   seed):
   dtype, _ = _DTYPES[dtype_name]
   batch_size, length = 8, 1024
   table = _table(combiner=combiner, max_ids_per_partition=batch_size * length,
                  max_unique_ids_per_partition=VOCABULARY)
   feature = FeatureSpec("f", table, (batch_size, length))
   plan = _plan(feature, num_devices)
-  rng = np.random.default_rng(2)
+  rng = np.random.default_rng(seed + 2)
   ids = np.stack([rng.choice(VOCABULARY, length, replace=False) for _ in range(batch_size)])
   weights = rng.uniform(0.5, 1.5, ids.shape).astype(np.float32)
   batch, _ = preprocess({"f": DenseIds(ids, weights)}, [feature], plan.layout)
-  variables = init_embedding_variables(plan, jax.random.key(3), dtype=dtype)
+  variables = init_embedding_variables(plan, jax.random.key(seed + 3), dtype=dtype)
   lookup = jax.jit(lambda t, b: embedding_lookup(plan, t, b, backend=backend))
   got = lookup(variables.tables, batch)["f"]
   assert got.dtype == dtype

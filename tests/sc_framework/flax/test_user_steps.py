@@ -57,8 +57,9 @@ def _normalized_loss(apply, batch, labels):
   return jnp.mean((prediction - labels) ** 2), dict(updates)
 
 
+@pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("num_devices", [1, 8])
-def test_linen_value_and_grad_carries_the_models_other_collections(num_devices):
+def test_linen_value_and_grad_carries_the_models_other_collections(num_devices, seed):
   """BatchNorm's running statistics follow their momentum from step to step.
 
   `linen_value_and_grad` gave `model.apply` only "params" and "embedding": a
@@ -68,9 +69,9 @@ def test_linen_value_and_grad_carries_the_models_other_collections(num_devices):
   model = NormalizedModel(num_devices)
   plan = LinenSparseEmbed(ref.FEATURES, mesh=ref.mesh(num_devices)).plan
   layout = plan.layout
-  raw, _ = ref.raw_batch(0)
-  variables = model.init(jax.random.key(0), ref.preprocessed(raw, layout), train=False)
-  rng = np.random.default_rng(1)
+  raw, _ = ref.raw_batch(10 * seed)
+  variables = model.init(jax.random.key(seed), ref.preprocessed(raw, layout), train=False)
+  rng = np.random.default_rng(seed)
   stats = jax.tree.map(lambda x: jnp.asarray(rng.uniform(0.5, 2.0, x.shape), x.dtype),
                        variables["batch_stats"])
   params, embedding = variables["params"], variables["embedding"]
@@ -83,7 +84,7 @@ def test_linen_value_and_grad_carries_the_models_other_collections(num_devices):
     return loss, apply_linen_embedding_grads(embedding, embedding_grads), updates["batch_stats"]
 
   for k in range(2):
-    raw, labels = ref.raw_batch(k + 1)
+    raw, labels = ref.raw_batch(10 * seed + k + 1)
     logical = ref.logical_tables(plan, embedding["embed"]["tables"])
     x = np.concatenate([ref.numpy_activations(logical, raw)[f.name] for f in ref.FEATURES], -1)
     expected_mean = MOMENTUM * np.asarray(stats["norm"]["mean"]) + (1 - MOMENTUM) * x.mean(0)
