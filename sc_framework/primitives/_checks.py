@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from sc_framework.preprocessing._batch import StackBatch, StackSignature
@@ -117,8 +118,36 @@ def check_batch(plan: EmbeddingPlan, batch: Mapping[str, Any], what: str = "batc
           f" N={stack.num_shards} shards (unique_rows [G, N, U], entries [G, E]). Preprocess"
           " with this plan's layout (plan.layout)."
       )
+    _check_dtypes(stack, sparse, what)
     _check_signature(plan, stack, sparse, what)
     _check_batch_values(plan, stack, sparse, what)
+
+
+_INDEX_FIELDS = ("unique_rows", "entry_samples", "entry_unique_index")
+
+
+def _check_dtypes(stack, sparse: StackBatch, what: str) -> None:
+  """Row, sample and index buffers are signed integers of 32 bits or more; gains floats.
+
+  A batch cast with a model's dtype (float indices) failed deep inside JAX, and
+  one cast to a narrow or unsigned integer (uint8: -1 becomes 255) looked up
+  other rows silently.
+  """
+  wrong = []
+  for field in _INDEX_FIELDS:
+    dtype = np.dtype(getattr(sparse, field).dtype)
+    if not jnp.issubdtype(dtype, jnp.signedinteger) or dtype.itemsize < 4:
+      wrong.append(f"{field} is {dtype.name}")
+  gains = np.dtype(sparse.entry_gains.dtype)
+  if not jnp.issubdtype(gains, jnp.floating):
+    wrong.append(f"entry_gains is {gains.name}")
+  if wrong:
+    raise TypeError(
+        f"{what}[{stack.name!r}]: " + ", ".join(wrong) + "; the row, sample and index"
+        " buffers must be int32 (or int64) and entry_gains a float, as preprocess makes"
+        " them. Do not cast the preprocessed batch (e.g. to the model's dtype): cast only the"
+        " dense inputs."
+    )
 
 
 def _signature_differences(got: StackSignature, want: StackSignature) -> list[str]:

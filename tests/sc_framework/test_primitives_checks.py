@@ -252,6 +252,28 @@ def test_a_jitted_lookup_compiles_once_for_batches_of_the_plan_also_from_another
   assert hash(unpickled[stack].signature) == hash(plan.batch_signature(stack))
 
 
+@pytest.mark.parametrize("cast, wrong", [
+    (lambda x: x.astype(np.float32), r"unique_rows is float32, .*entry_unique_index is float32"),
+    (lambda x: x.astype(np.uint8) if x.dtype.kind == "i" else x, r"unique_rows is uint8"),
+    (lambda x: x.astype(np.int16) if x.dtype.kind == "i" else x,
+     r"unique_rows is int16, entry_samples is int16"),
+], ids=["float32", "uint8", "int16"])
+@pytest.mark.parametrize("num_devices", [1, 8])
+def test_a_batch_cast_to_another_dtype_is_refused(num_devices, cast, wrong):
+  """A batch cast like the model's inputs: floats failed deep inside JAX ("indices must
+  have an integer type"), uint8 turned the unused rows' -1 into row 255 (silently)."""
+  features = _features()
+  plan = _plan(features, num_devices)
+  variables = init_embedding_variables(plan, jax.random.key(0))
+  batch = {name: jax.tree.map(cast, stack) for name, stack in _batch(features, plan).items()}
+  (stack,) = plan.layout.stack_names
+  message = rf"batch\['{stack}'\]: {wrong}.* must be int32 \(or int64\)"
+  with pytest.raises(TypeError, match=message):
+    jax.jit(lambda t, b: embedding_lookup(plan, t, b))(variables.tables, batch)
+  with pytest.raises(TypeError, match=message):
+    apply_embedding_gradients(plan, variables, batch, _grads(features), 0)
+
+
 def test_gradients_of_an_unknown_feature_are_refused_not_ignored():
   features = _features()
   plan = _plan(features)
