@@ -87,9 +87,11 @@ def _in_flight_to_tree(in_flight: FeatureInFlight) -> dict[str, Any]:
   }
 
 
-def _in_flight_from_tree(tree: dict[str, Any]) -> FeatureInFlight:
+def _in_flight_from_tree(tree: dict[str, Any], plan: EmbeddingPlan) -> FeatureInFlight:
+  """The restored trainer/1 item; its buffers were preprocessed for `plan`'s layout (checked)."""
   sparse = {
-      name: StackBatch(**{field: arrays[key] for field, key in _LAYOUT_SPECIFIC_KEYS.items()})
+      name: StackBatch(**{field: arrays[key] for field, key in _LAYOUT_SPECIFIC_KEYS.items()},
+                       signature=plan.batch_signature(name))
       for name, arrays in tree["sparse"].items()
   }
   return FeatureInFlight(tree["activations"], DeviceBatch(sparse, tree["dense"], tree["labels"]))
@@ -241,7 +243,7 @@ class TrainerCheckpoints:
       ids = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree["ids"])
       in_flight = SavedInFlight(tree["activations"], tree["dense"], tree["labels"], ids)
     elif template is not None:
-      in_flight = _in_flight_from_tree(restored["in_flight"])
+      in_flight = _in_flight_from_tree(restored["in_flight"], self._plan)
     if self._rows is not None:  # The state is `step`'s: rows since, and those still to apply.
       self._rows.clear()
       self._readd_recent()

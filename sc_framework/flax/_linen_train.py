@@ -81,7 +81,9 @@ def _init(model, tx, treedef, static, rngs, arrays) -> LinenTrainState:
     raise ValueError(
         f"the model has variable collections {sorted(variables)} besides 'params' and"
         f" {EMBEDDING_COLLECTION!r}; the Linen train-step helpers carry only those two. Build"
-        " your own step from `linen_value_and_grad` and `apply_linen_embedding_grads`."
+        " your own step from `linen_value_and_grad` (pass those collections as its"
+        " collections= and return their updates from the loss, e.g. apply(...,"
+        " mutable=['batch_stats'])) and `apply_linen_embedding_grads`."
     )
   return LinenTrainState(params, tx.init(params), embedding)
 
@@ -93,27 +95,48 @@ _cached_init = jax.jit(_init, static_argnums=(0, 1, 2, 3))
 def linen_value_and_grad(
     model: nn.Module, loss_fn: LinenLossFn, *, has_aux: bool | None = None
 ) -> Callable[..., tuple[Any, Any, _grads.EmbeddingGradients]]:
-  """Builds `f(params, embedding, *data) -> (out, dL/dparams, embedding grads)`.
+  """Builds `f(params, embedding, *data, collections=None) -> (out, dL/dparams, embedding grads)`.
 
   `out` is what `loss_fn` returned: the loss, or (loss, aux dict)
   (`sc_framework.flax.loss_and_aux`). The embedding gradients hold dL/da of
   every embedding layer the loss called (with its batch); pass them to
-  `apply_linen_embedding_grads`.
+  `apply_linen_embedding_grads`. `collections` are the model's other
+  variable collections (e.g. {"batch_stats": ...}), given to `model.apply`
+  beside "params" and "embedding" and not differentiated; a loss that
+  updates them returns the updates in its aux.
 
   Args:
     model: the Linen model.
     loss_fn: `loss_fn(apply, *data)`; `apply(*args, **kwargs)` is
-      `model.apply({"params": params, "embedding": embedding}, *args,
-      **kwargs)`.
+      `model.apply({"params": params, "embedding": embedding,
+      **collections}, *args, **kwargs)`.
     has_aux: deprecated, not needed: the (loss, aux) pair is recognised by
       its type. If given, it is checked against what `loss_fn` returns.
+
+  Example:
+    >>> def loss_fn(apply, batch, labels):
+    ...   logits, updates = apply(batch, train=True, mutable=["batch_stats"])
+    ...   return optax.l2_loss(logits, labels).mean(), dict(updates)
+    >>> value_and_grad = linen_value_and_grad(model, loss_fn)
+    >>> (loss, updates), grads, embedding_grads = value_and_grad(
+    ...     params, embedding, batch, labels, collections={"batch_stats": batch_stats})
   """
   loss_fn = _step.declared_aux(loss_fn, has_aux, "linen_value_and_grad")
 
-  def value_and_grad(params, embedding, *data):
+  def value_and_grad(params, embedding, *data, collections: Mapping[str, Any] | None = None):
+    others = dict(collections or {})
+    taken = sorted({"params", EMBEDDING_COLLECTION} & set(others))
+    if taken:
+      raise ValueError(
+          f"linen_value_and_grad: collections= holds {taken}, which are given as the params"
+          f" and embedding arguments; pass only the model's other collections"
+          f" ({sorted(others)} given)."
+      )
+
     def fun(params):
       def apply(*args, **kwargs):
-        return model.apply({"params": params, EMBEDDING_COLLECTION: embedding}, *args, **kwargs)
+        variables = {**others, "params": params, EMBEDDING_COLLECTION: embedding}
+        return model.apply(variables, *args, **kwargs)
 
       return loss_fn(apply, *data), None
 

@@ -101,6 +101,23 @@ def apply_nnx_embedding_grads(model: nnx.Module, grads: _grads.EmbeddingGradient
     layer.set_embedding_state(updated)
 
 
+def _check_optimizer_excludes_embeddings(model: nnx.Module, optimizer: nnx.Optimizer) -> None:
+  """The dense optimizer must not hold the tables: optax state as large as they are,
+  and gradients it never gets (the step's dense gradients leave them out)."""
+  wrt = getattr(optimizer, "wrt", None)
+  if wrt is None:
+    return
+  selected = jax.tree.leaves(nnx.state(model, nnx.All(wrt, EmbeddingVariable)))
+  if selected:
+    layers = sorted(_embedding_layers(model))
+    raise ValueError(
+        f"the nnx.Optimizer's wrt={wrt!r} selects the EmbeddingVariables (tables, slots,"
+        f" step) of the embedding layers {layers}: optax would keep state as large as the"
+        " tables, and the fused sparse update trains them instead. Build the optimizer on"
+        " the dense parameters only: nnx.Optimizer(model, tx, wrt=nnx.Param)."
+    )
+
+
 class NnxTrainStep:
   """A jitted training step for an NNX model and its `nnx.Optimizer`.
 
@@ -117,6 +134,7 @@ class NnxTrainStep:
 
   def _pure_step(self, graphdef, state, *data):
     model, optimizer = nnx.merge(graphdef, state)
+    _check_optimizer_excludes_embeddings(model, optimizer)  # while tracing: free per step
     value_and_grad = nnx_value_and_grad(self._loss_fn, wrt=optimizer.wrt)
     out, param_grads, embedding_grads = value_and_grad(model, *data)
     optimizer.update(model, param_grads)

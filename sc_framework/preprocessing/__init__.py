@@ -1,6 +1,6 @@
 """Host preprocessing: raw ids -> fixed-shape, device-ready buffers per stack."""
 
-from sc_framework.preprocessing._batch import PreprocessedBatch, StackBatch
+from sc_framework.preprocessing._batch import PreprocessedBatch, StackBatch, StackSignature
 from sc_framework.preprocessing._inputs import (
     DenseIds,
     FeatureInput,
@@ -28,6 +28,7 @@ from sc_framework.preprocessing._stats import (
 
 __all__ = [
     "StackBatch",
+    "StackSignature",
     "PreprocessedBatch",
     "DenseIds",
     "RaggedIds",

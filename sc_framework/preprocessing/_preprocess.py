@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from sc_framework.preprocessing._assemble import assemble_stack, locate_sample, sequence_samples
-from sc_framework.preprocessing._batch import PreprocessedBatch, StackBatch
+from sc_framework.preprocessing._batch import PreprocessedBatch, StackBatch, stack_signature
 from sc_framework.preprocessing._inputs import FeatureInput, flatten_input
 from sc_framework.preprocessing._partition import partition_stack, partition_stats
 from sc_framework.preprocessing._stats import (
@@ -115,6 +115,7 @@ class _StackWork:
   describe: Callable[[int], str]
   devices: range
   sequence_samples: Any
+  signature: Any
 
 
 def _stacks(features, feature_specs, layout, padding_id, capacities, devices
@@ -164,6 +165,8 @@ def _stacks(features, feature_specs, layout, padding_id, capacities, devices
         devices=local,
         sequence_samples=lambda stack=stack: sequence_samples(
             stack, sequence, g_count, local_devices=len(local)),
+        signature=stack_signature(stack, g_count, by_name[stack.features[0].name].table.combiner,
+                                  sequence),
     )
 
 
@@ -217,6 +220,8 @@ def preprocess(
   Returns:
     (stack name -> StackBatch, PreprocessStats). Shapes: unique_rows
     [G, N, U], the entry arrays [G, N * C] (L instead of G with `devices`).
+    Every StackBatch carries the `StackSignature` of its stack (`signature`,
+    static metadata), by which the primitives refuse it for another plan.
 
   Raises:
     ValueError: a missing or unknown feature, a batch size that differs from
@@ -244,7 +249,7 @@ def preprocess(
   batches: dict[str, StackBatch] = {}
   stats = {}
   for work in _stacks(features, feature_specs, layout, padding_id, capacities, devices):
-    batches[work.stack.name], stats[work.stack.name] = partition_stack(
+    batch, stats[work.stack.name] = partition_stack(
         work.stack,
         work.keys,
         num_devices=len(work.devices),
@@ -255,6 +260,7 @@ def preprocess(
         first_device=work.devices.start,
         sequence_samples=work.sequence_samples(),
     )
+    batches[work.stack.name] = batch._replace(signature=work.signature)
   return batches, PreprocessStats(stats)
 
 

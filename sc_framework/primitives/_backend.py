@@ -111,7 +111,7 @@ CPU_BACKEND = EmbeddingBackend(
     supports=_all_cpu,
     priority=1,
     description="multi-threaded C++ kernels",
-    installed=cpu_kernels_available,
+    installed=lambda: cpu_kernels_available(),  # the module's function, looked up when called
 )
 _REGISTRY: dict[str, EmbeddingBackend] = {"xla": XLA_BACKEND, "cpu": CPU_BACKEND}
 
@@ -167,10 +167,15 @@ def get_backend(name: str | EmbeddingBackend, plan: EmbeddingPlan) -> EmbeddingB
   else:
     backend = _REGISTRY[name]
   if not backend.installed():
-    how = (" (its C++ kernels are not built or failed to load: install a C++17 compiler, then"
-           " reinstall the package)" if backend is CPU_BACKEND else "")
+    if backend is CPU_BACKEND:
+      built = "do not work with this jax/jaxlib" if _kernels_built() else "are not built"
+      raise ValueError(
+          f"embedding backend 'cpu' is not installed here: it needs the C++ CPU kernels, which"
+          f" {built}. Reinstall the package with a C++17 compiler available (`pip install -e"
+          " .` in the repository), or use backend='xla' (the portable ops, slower on CPU)."
+      )
     raise ValueError(
-        f"embedding backend {backend.name!r} is not installed here{how}; installed:"
+        f"embedding backend {backend.name!r} is not installed here; installed:"
         f" {sorted(available_backends())}. Use backend='xla' (portable) or 'auto'."
     )
   if not backend.supports(plan):

@@ -10,7 +10,8 @@ stack, see sc_framework/stacking/_layout.py):
   table         [V_s, D']
   slot          [V_s, D'] (SlotSpec.width None) or [V_s, width]
   StackBatch    unique_rows [G, N, U]; entry_samples, entry_unique_index,
-                entry_gains [G, E] (U and E: the batch's capacities)
+                entry_gains [G, E] (U and E: the batch's capacities), and its
+                signature (static metadata) equal to the plan's stack's
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
-from sc_framework.preprocessing._batch import StackBatch
+from sc_framework.preprocessing._batch import StackBatch, StackSignature
 from sc_framework.primitives._plan import EmbeddingPlan
 
 _PREPROCESS_HINT = (
@@ -116,7 +118,84 @@ def check_batch(plan: EmbeddingPlan, batch: Mapping[str, Any], what: str = "batc
           f" N={stack.num_shards} shards (unique_rows [G, N, U], entries [G, E]). Preprocess"
           " with this plan's layout (plan.layout)."
       )
+    _check_dtypes(stack, sparse, what)
+    _check_signature(plan, stack, sparse, what)
     _check_batch_values(plan, stack, sparse, what)
+
+
+_INDEX_FIELDS = ("unique_rows", "entry_samples", "entry_unique_index")
+
+
+def _check_dtypes(stack, sparse: StackBatch, what: str) -> None:
+  """Row, sample and index buffers are signed integers of 32 bits or more; gains floats.
+
+  A batch cast with a model's dtype (float indices) failed deep inside JAX, and
+  one cast to a narrow or unsigned integer (uint8: -1 becomes 255) looked up
+  other rows silently.
+  """
+  wrong = []
+  for field in _INDEX_FIELDS:
+    dtype = np.dtype(getattr(sparse, field).dtype)
+    if not jnp.issubdtype(dtype, jnp.signedinteger) or dtype.itemsize < 4:
+      wrong.append(f"{field} is {dtype.name}")
+  gains = np.dtype(sparse.entry_gains.dtype)
+  if not jnp.issubdtype(gains, jnp.floating):
+    wrong.append(f"entry_gains is {gains.name}")
+  if wrong:
+    raise TypeError(
+        f"{what}[{stack.name!r}]: " + ", ".join(wrong) + "; the row, sample and index"
+        " buffers must be int32 (or int64) and entry_gains a float, as preprocess makes"
+        " them. Do not cast the preprocessed batch (e.g. to the model's dtype): cast only the"
+        " dense inputs."
+    )
+
+
+def _signature_differences(got: StackSignature, want: StackSignature) -> list[str]:
+  """What differs between a batch's signature and the plan's, "<what> <got> vs <want>"."""
+  out = []
+
+  def differ(what, a, b):
+    if a != b:
+      out.append(f"{what} {a!r} (batch) vs {b!r} (plan)")
+
+  differ("stack", got.stack, want.stack)
+  differ("devices G", got.num_devices, want.num_devices)
+  differ("shards N", got.num_shards, want.num_shards)
+  differ("rows per shard R", got.rows_per_shard, want.rows_per_shard)
+  for kind, columns, a, b in (
+      ("table", ("vocabulary_size", "row_offset", "shard_rotation"), got.tables, want.tables),
+      ("feature", ("table", "batch_size", "sample_offset"), got.features, want.features)):
+    a_rows, b_rows = {row[0]: row[1:] for row in a}, {row[0]: row[1:] for row in b}
+    differ(f"{kind}s", [row[0] for row in a], [row[0] for row in b])
+    for name in [name for name in a_rows if name in b_rows]:
+      for column, x, y in zip(columns, a_rows[name], b_rows[name]):
+        differ(f"{kind} {name!r} {column}", x, y)
+  differ("combiner", got.combiner, want.combiner)
+  differ("sequence features", list(got.sequence_features), list(want.sequence_features))
+  return out
+
+
+def _check_signature(plan: EmbeddingPlan, stack, sparse: StackBatch, what: str) -> None:
+  """The batch was preprocessed for the plan's stack (its static signature; also under jit).
+
+  A batch without a signature (built by hand) is checked by shapes and, on
+  the host, by values only.
+  """
+  got = sparse.signature
+  if got is None:
+    return
+  want = plan.batch_signature(stack.name)
+  if got == want:
+    return
+  differences = _signature_differences(got, want) or [f"{got!r} (batch) vs {want!r} (plan)"]
+  shown = differences[:8] + ([f"and {len(differences) - 8} more"] if len(differences) > 8 else [])
+  raise ValueError(
+      f"{what}[{stack.name!r}] was preprocessed for another layout than the plan's stack"
+      f" {stack.name!r} (tables {list(stack.table_names)}): " + "; ".join(shown) + "."
+      " Its buffers would address other rows, samples or gains (wrong or zero activations, lost"
+      " updates). Preprocess with this plan's layout (plan.layout) and the feature specs it"
+      " was built from."
+  )
 
 
 def _check_batch_values(plan: EmbeddingPlan, stack, sparse: StackBatch, what: str) -> None:

@@ -16,6 +16,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sc_framework.optimizers import OptimizerSpec, SlotSpec
+from sc_framework.preprocessing._batch import StackSignature, stack_signature
 from sc_framework.specs import FeatureSpec, TableSpec, tables_of, validate_feature_specs
 from sc_framework.stacking import (
     EmbeddingLayout,
@@ -131,6 +132,13 @@ class EmbeddingPlan:
   def slot_specs(self) -> dict[str, tuple[SlotSpec, ...]]:
     """Stack name -> the slot variables of the stack's optimizer."""
     return {stack.name: self.optimizer(stack.name).slots() for stack in self.layout.stacks}
+
+  def batch_signature(self, stack_name: str) -> StackSignature:
+    """The signature of the batches stack `stack_name` takes (`preprocess` with this
+    plan's specs and layout gives them)."""
+    sequence = [f.name for f in self.feature_specs if f.sequence_length is not None]
+    return stack_signature(self.layout.stack(stack_name), self.num_devices,
+                           self.combiner(stack_name), sequence)
 
   def feature(self, name: str) -> FeatureSpec:
     for feature in self.feature_specs:

@@ -11,10 +11,17 @@ row-major float arrays:
                                                       inside ones distinct)
   combine_entries(source [M, D], rows [E], samples [E], gains [E], B)
       -> [B, D], out[b] = sum_{e: samples[e] = b} gains[e] * source[rows[e]]
-         (samples ascending; outside [0, B) skipped; outside rows read zeros)
+         (samples ascending; outside [0, B) skipped; outside rows read zeros;
+         source's dtype)
   segment_grads(grads [B, D], samples [E], unique_index [E], gains [E], K)
       -> [K, D], out[k] = sum_{e: unique_index[e] = k} gains[e] * grads[samples[e]]
-         (samples outside [0, B) skipped)
+         (samples outside [0, B) skipped; in sum_dtype(grads.dtype))
+
+The sums of combine_entries and segment_grads run in float32 at least
+(`sum_dtype`): a bfloat16 or float16 table's activations are rounded to the
+table's dtype once, after the sum, and its row gradients stay float32. Summed
+in bfloat16 (8 significant bits), a sum of ones stalls at 256, so a row read
+by 1024 samples got a quarter of its gradient.
 
 `XLA_OPS` expresses them with jnp gathers, scatters and segment sums and runs
 anywhere. `CPU_KERNEL_OPS` calls multi-threaded C++ kernels through the XLA
@@ -74,14 +81,23 @@ def _xla_scatter_rows(table, index, rows):
   return table.at[index].set(rows.astype(table.dtype), mode="drop", unique_indices=True)
 
 
+def sum_dtype(dtype) -> jnp.dtype:
+  """The dtype sums of `dtype` values run in: float32, or the wider float64."""
+  return jnp.promote_types(dtype, jnp.float32)
+
+
 def _xla_combine_entries(source, rows, samples, gains, num_samples):
-  weighted = _xla_gather_rows(source, rows) * gains[:, None].astype(source.dtype)
-  return jax.ops.segment_sum(weighted, samples, num_segments=num_samples, indices_are_sorted=True)
+  wide = sum_dtype(source.dtype)
+  weighted = _xla_gather_rows(source, rows).astype(wide) * gains[:, None].astype(wide)
+  combined = jax.ops.segment_sum(weighted, samples, num_segments=num_samples,
+                                 indices_are_sorted=True)
+  return combined.astype(source.dtype)
 
 
 def _xla_segment_grads(grads, samples, unique_index, gains, num_unique):
+  wide = sum_dtype(grads.dtype)
   entry_grads = jnp.take(grads, _no_wrap(samples, grads.shape[0]), axis=0, mode="fill", fill_value=0)
-  entry_grads = entry_grads * gains[:, None].astype(grads.dtype)
+  entry_grads = entry_grads.astype(wide) * gains[:, None].astype(wide)
   return jax.ops.segment_sum(entry_grads, unique_index, num_segments=num_unique)
 
 
@@ -162,6 +178,8 @@ def _kernel_combine_entries(source, rows, samples, gains, num_samples):
 
 
 def _kernel_segment_grads(grads, samples, unique_index, gains, num_unique):
+  if sum_dtype(grads.dtype) == jnp.float32:
+    grads = grads.astype(jnp.float32)  # bfloat16 / float16 gradients, summed in float32
   if not _f32(grads):
     return _xla_segment_grads(grads, samples, unique_index, gains, num_unique)
   out = jax.ShapeDtypeStruct((num_unique, grads.shape[1]), grads.dtype)

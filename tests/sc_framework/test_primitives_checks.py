@@ -7,7 +7,12 @@ and both values. The checks run while tracing, so they hold under jit too.
 
 from __future__ import annotations
 
+import os
+import pickle
 import re
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +21,7 @@ from jax.sharding import Mesh
 
 from sc_framework import FeatureSpec, TableSpec
 from sc_framework.optimizers import SGD, RowWiseAdagrad
-from sc_framework.preprocessing import preprocess
+from sc_framework.preprocessing import StackBatch, preprocess
 from sc_framework.primitives import (
     EmbeddingPlan,
     EmbeddingVariables,
@@ -144,31 +149,128 @@ def test_a_batch_preprocessed_for_another_layout_is_refused(plan_geometry, batch
     apply_embedding_gradients(plan, variables, batch, _grads(features), 0)
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(vocabulary=9000), r"local row \d+, but its shards hold R=\d+ rows"),
-    (dict(batch=2 * BATCH), r"local sample \d+, but each device holds \d+ samples"),
-])
-def test_a_batch_of_another_vocabulary_or_batch_size_is_refused(change, message):
-  """Same G, N and capacities, so the same shapes: the rows or samples tell the layouts apart.
+def _other_plan_batch(batch_size=BATCH, vocabulary=60, combiner="sum", seed=0):
+  """A batch preprocessed for specs other than `_features()`, on 2 devices."""
+  users = TableSpec("users", vocabulary, 8, optimizer=SGD(0.1), combiner=combiner)
+  items = TableSpec("items", 90, 8, optimizer=SGD(0.1), combiner=combiner)
+  other = (FeatureSpec("user", users, (batch_size, 2)), FeatureSpec("item", items, (batch_size, 3)))
+  rng = np.random.default_rng(seed)
+  raw = {"user": rng.integers(vocabulary - 8, vocabulary, (batch_size, 2)),
+         "item": rng.integers(0, 90, (batch_size, 3))}
+  return preprocess(raw, other, auto_stack_tables(other, num_devices=2))[0]
 
-  Such a batch once gave zero activations and no update, silently.
+
+_OTHER_PLANS = {
+    "vocabulary": (dict(vocabulary=9000), r"rows per shard R \d+ \(batch\) vs 80 \(plan\); table"
+                   r" 'users' vocabulary_size 9000 \(batch\) vs 60 \(plan\)"),
+    "batch_size": (dict(batch_size=2 * BATCH),
+                   r"feature 'user' batch_size 32 \(batch\) vs 16 \(plan\)"),
+    "combiner": (dict(combiner="mean"), r"combiner 'mean' \(batch\) vs 'sum' \(plan\)"),
+}
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("change", list(_OTHER_PLANS))
+def test_a_batch_of_another_plan_with_the_plans_shapes_is_refused(change, jit):
+  """Same G, N and capacities, so the same shapes, but other rows, samples or gains.
+
+  Such a batch once gave zero activations and no update, silently; under jit
+  (tracers: no row or sample to read) even after the host check came. The
+  batch's static signature tells the plans apart while tracing.
   """
   features = _features()
   plan = _plan(features, 2)
-  vocabulary, batch_size = change.get("vocabulary", 60), change.get("batch", BATCH)
-  users = TableSpec("users", vocabulary, 8, optimizer=SGD(0.1))
-  items = TableSpec("items", 90, 8, optimizer=SGD(0.1))
-  other = (FeatureSpec("user", users, (batch_size, 2)), FeatureSpec("item", items, (batch_size, 3)))
-  layout = auto_stack_tables(other, num_devices=2)
-  raw = {"user": np.full((batch_size, 2), vocabulary - 1), "item": np.ones((batch_size, 3), int)}
-  batch, _ = preprocess(raw, other, layout)
+  kwargs, differences = _OTHER_PLANS[change]
+  batch = _other_plan_batch(**kwargs)
+  (stack,) = plan.layout.stack_names
   assert all(np.shape(a) == np.shape(b)
-             for name in batch for a, b in zip(batch[name], _batch(features, plan)[name]))
+             for a, b in zip(batch[stack], _batch(features, plan)[stack]))
+  variables = init_embedding_variables(plan, jax.random.key(0))
+  lookup = lambda t, b: embedding_lookup(plan, t, b)  # noqa: E731
+  update = lambda v, b, g: apply_embedding_gradients(plan, v, b, g, 0)  # noqa: E731
+  if jit:
+    lookup, update = jax.jit(lookup), jax.jit(update)
+  message = (rf"batch\['{stack}'\] was preprocessed for another layout than the plan's stack"
+             rf" '{stack}' \(tables \['users', 'items'\]\): (.*; )?{differences}")
+  with pytest.raises(ValueError, match=message):
+    lookup(variables.tables, batch)
+  with pytest.raises(ValueError, match=message):
+    update(variables, batch, _grads(features))
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(vocabulary=9000), r"local row \d+, but its shards hold R=\d+ rows"),
+    (dict(batch_size=2 * BATCH), r"local sample \d+, but each device holds \d+ samples"),
+])
+def test_a_hand_built_batch_of_another_vocabulary_or_batch_size_is_refused(change, message):
+  """A StackBatch built without a signature: outside jit its largest row and sample tell."""
+  features = _features()
+  plan = _plan(features, 2)
+  batch = {name: StackBatch(*arrays) for name, arrays in _other_plan_batch(**change).items()}
   variables = init_embedding_variables(plan, jax.random.key(0))
   with pytest.raises(ValueError, match=r"batch\['\w+'\] was preprocessed for another layout: it"
                                        r" holds " + message):
     embedding_lookup(plan, variables.tables, batch)
   with pytest.raises(ValueError, match=message):
+    apply_embedding_gradients(plan, variables, batch, _grads(features), 0)
+
+
+_PICKLE_IN_ANOTHER_PROCESS = """
+import pickle, sys
+import numpy as np
+from sc_framework import FeatureSpec, TableSpec
+from sc_framework.optimizers import SGD
+from sc_framework.preprocessing import preprocess
+from sc_framework.stacking import auto_stack_tables
+users = TableSpec("users", 60, 8, optimizer=SGD(0.1))
+items = TableSpec("items", 90, 8, optimizer=SGD(0.1))
+features = (FeatureSpec("user", users, ({B}, 2)), FeatureSpec("item", items, ({B}, 3)))
+rng = np.random.default_rng(7)
+raw = {{f.name: rng.integers(0, f.table.vocabulary_size, f.input_shape) for f in features}}
+batch, _ = preprocess(raw, features, auto_stack_tables(features, num_devices=2))
+sys.stdout.buffer.write(pickle.dumps(batch))
+"""
+
+
+def test_a_jitted_lookup_compiles_once_for_batches_of_the_plan_also_from_another_process():
+  """The signature is part of the jit cache key: equal for every batch of the plan,
+  also one unpickled from a process whose string hashes differ (a loader's worker)."""
+  features = _features()
+  plan = _plan(features, 2)
+  variables = init_embedding_variables(plan, jax.random.key(0))
+  lookup = jax.jit(lambda t, b: embedding_lookup(plan, t, b))
+  for seed in range(3):
+    lookup(variables.tables, _batch(features, plan, seed))
+  env = {**os.environ, "PYTHONHASHSEED": "12345", "JAX_PLATFORMS": "cpu"}
+  made = subprocess.run([sys.executable, "-c", _PICKLE_IN_ANOTHER_PROCESS.format(B=BATCH)],
+                        env=env, capture_output=True, check=True).stdout
+  unpickled = pickle.loads(made)
+  lookup(variables.tables, unpickled)
+  assert lookup._cache_size() == 1
+  (stack,) = plan.layout.stack_names
+  assert unpickled[stack].signature == plan.batch_signature(stack)
+  assert hash(unpickled[stack].signature) == hash(plan.batch_signature(stack))
+
+
+@pytest.mark.parametrize("cast, wrong", [
+    (lambda x: x.astype(np.float32), r"unique_rows is float32, .*entry_unique_index is float32"),
+    (lambda x: x.astype(np.uint8) if x.dtype.kind == "i" else x, r"unique_rows is uint8"),
+    (lambda x: x.astype(np.int16) if x.dtype.kind == "i" else x,
+     r"unique_rows is int16, entry_samples is int16"),
+], ids=["float32", "uint8", "int16"])
+@pytest.mark.parametrize("num_devices", [1, 8])
+def test_a_batch_cast_to_another_dtype_is_refused(num_devices, cast, wrong):
+  """A batch cast like the model's inputs: floats failed deep inside JAX ("indices must
+  have an integer type"), uint8 turned the unused rows' -1 into row 255 (silently)."""
+  features = _features()
+  plan = _plan(features, num_devices)
+  variables = init_embedding_variables(plan, jax.random.key(0))
+  batch = {name: jax.tree.map(cast, stack) for name, stack in _batch(features, plan).items()}
+  (stack,) = plan.layout.stack_names
+  message = rf"batch\['{stack}'\]: {wrong}.* must be int32 \(or int64\)"
+  with pytest.raises(TypeError, match=message):
+    jax.jit(lambda t, b: embedding_lookup(plan, t, b))(variables.tables, batch)
+  with pytest.raises(TypeError, match=message):
     apply_embedding_gradients(plan, variables, batch, _grads(features), 0)
 
 

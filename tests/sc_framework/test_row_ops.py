@@ -138,9 +138,23 @@ def test_available_backends_lists_only_what_can_run_here():
   finally:
     _backend._REGISTRY.pop("absent")
     _backend._REGISTRY.pop("tpu_only")
-  if not cpu_kernels_available():
-    with pytest.raises(ValueError, match="'cpu' is not installed here .*C\\+\\+ kernels"):
-      get_backend("cpu", plan)
+
+
+@pytest.mark.parametrize("built", [False, True], ids=["not_built", "not_working"])
+def test_the_cpu_backend_without_its_kernels_says_so(monkeypatch, built):
+  """backend='cpu' on CPU devices without working kernels was refused as unable to run
+  "on devices ['cpu']", which named neither the missing kernels nor how to get them."""
+  plan = EmbeddingPlan.create(
+      [FeatureSpec("f", TableSpec("t", 10, 4), (8, 2))],
+      mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("devices",)))
+  monkeypatch.setattr(_backend, "cpu_kernels_available", lambda: False)
+  monkeypatch.setattr(_backend, "_kernels_built", lambda: built)
+  reason = "do not work with this jax/jaxlib" if built else "are not built"
+  with pytest.raises(ValueError, match=rf"backend 'cpu' is not installed here: it needs the C\+\+"
+                                       rf" CPU kernels, which {reason}\. Reinstall .* or use"
+                                       r" backend='xla'"):
+    get_backend("cpu", plan)
+  assert "cpu" not in available_backends() and "cpu" in registered_backends()
 
 
 def test_a_backend_value_is_used_without_registration():

@@ -1,0 +1,157 @@
+"""The Flax layers in training steps users write themselves, against numpy references.
+
+Users who do not take `make_linen_train_step` as it is build their own jitted
+step from `linen_value_and_grad` and `apply_linen_embedding_grads` (the
+helpers' own advice for a model with other variable collections), or feed
+the helper batches of their own making. Each case here once went wrong
+without an error.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import flax_reference as ref
+from sc_framework import FeatureSpec, TableSpec
+from sc_framework.flax import (
+    LinenSparseEmbed,
+    NnxSparseEmbed,
+    apply_linen_embedding_grads,
+    init_linen_train_state,
+    linen_value_and_grad,
+    make_linen_train_step,
+    make_nnx_train_step,
+)
+from sc_framework.optimizers import SGD
+from sc_framework.preprocessing import DenseIds, preprocess
+from sc_framework.stacking import auto_stack_tables
+from tests.numerics import assert_close
+
+MOMENTUM = 0.75
+
+
+class NormalizedModel(nn.Module):
+  """Embedding layer -> BatchNorm (collection "batch_stats") -> Dense."""
+
+  num_devices: int
+
+  @nn.compact
+  def __call__(self, batch, train: bool):
+    activations = LinenSparseEmbed(ref.FEATURES, mesh=ref.mesh(self.num_devices), name="embed")(
+        batch)
+    x = jnp.concatenate([activations[f.name] for f in ref.FEATURES], axis=-1)
+    x = nn.BatchNorm(use_running_average=not train, momentum=MOMENTUM, name="norm")(x)
+    return nn.Dense(1, name="out")(x)[:, 0]
+
+
+def _normalized_loss(apply, batch, labels):
+  prediction, updates = apply(batch, train=True, mutable=["batch_stats"])
+  return jnp.mean((prediction - labels) ** 2), dict(updates)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("num_devices", [1, 8])
+def test_linen_value_and_grad_carries_the_models_other_collections(num_devices, seed):
+  """BatchNorm's running statistics follow their momentum from step to step.
+
+  `linen_value_and_grad` gave `model.apply` only "params" and "embedding": a
+  loss updating "batch_stats" got statistics re-created from their initial
+  values at every step, so the running averages never accumulated (silently).
+  """
+  model = NormalizedModel(num_devices)
+  plan = LinenSparseEmbed(ref.FEATURES, mesh=ref.mesh(num_devices)).plan
+  layout = plan.layout
+  raw, _ = ref.raw_batch(10 * seed)
+  variables = model.init(jax.random.key(seed), ref.preprocessed(raw, layout), train=False)
+  rng = np.random.default_rng(seed)
+  stats = jax.tree.map(lambda x: jnp.asarray(rng.uniform(0.5, 2.0, x.shape), x.dtype),
+                       variables["batch_stats"])
+  params, embedding = variables["params"], variables["embedding"]
+  value_and_grad = linen_value_and_grad(model, _normalized_loss)
+
+  @functools.partial(jax.jit, donate_argnums=(1, 2))
+  def step(params, embedding, stats, batch, labels):
+    (loss, updates), _, embedding_grads = value_and_grad(
+        params, embedding, batch, labels, collections={"batch_stats": stats})
+    return loss, apply_linen_embedding_grads(embedding, embedding_grads), updates["batch_stats"]
+
+  for k in range(2):
+    raw, labels = ref.raw_batch(10 * seed + k + 1)
+    logical = ref.logical_tables(plan, embedding["embed"]["tables"])
+    x = np.concatenate([ref.numpy_activations(logical, raw)[f.name] for f in ref.FEATURES], -1)
+    expected_mean = MOMENTUM * np.asarray(stats["norm"]["mean"]) + (1 - MOMENTUM) * x.mean(0)
+    expected_var = MOMENTUM * np.asarray(stats["norm"]["var"]) + (1 - MOMENTUM) * x.var(0)
+    _, embedding, stats = step(params, embedding, stats, ref.preprocessed(raw, layout), labels)
+    assert_close(stats["norm"]["mean"], expected_mean, terms=ref.TERMS)
+    assert_close(stats["norm"]["var"], expected_var, terms=2 * ref.TERMS)
+
+
+def test_linen_value_and_grad_refuses_params_or_embedding_as_collections():
+  model = NormalizedModel(1)
+  value_and_grad = linen_value_and_grad(model, _normalized_loss)
+  with pytest.raises(ValueError, match=r"collections= holds \['params'\], which are given as"):
+    value_and_grad({}, {}, None, None, collections={"params": {}, "batch_stats": {}})
+
+
+def test_the_linen_step_refuses_a_batch_of_another_plan_with_the_same_shapes():
+  """Another vocabulary, same G, N and capacities: the jitted step once trained nothing."""
+  users = TableSpec("users", 64, 8, optimizer=SGD(0.1))
+  features = (FeatureSpec("user", users, (ref.BATCH, 2)),)
+  other_users = TableSpec("users", 4000, 8, optimizer=SGD(0.1))
+  other = (FeatureSpec("user", other_users, (ref.BATCH, 2)),)
+  mesh = ref.mesh(8)
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, batch):
+      return nn.Dense(1)(LinenSparseEmbed(features, mesh=mesh)(batch)["user"])[:, 0]
+
+  def loss_fn(apply, batch):
+    return jnp.mean(apply(batch) ** 2)
+
+  ids = {"user": DenseIds(np.arange(2 * ref.BATCH).reshape(ref.BATCH, 2) % 64)}
+  batch, _ = preprocess(ids, features, auto_stack_tables(features, num_devices=8))
+  theirs, _ = preprocess(ids, other, auto_stack_tables(other, num_devices=8))
+  model, tx = Model(), optax.sgd(0.1)
+  state = init_linen_train_state(model, tx, jax.random.key(0), batch)
+  step = make_linen_train_step(model, tx, loss_fn)
+  state, _ = step(state, batch)
+  with pytest.raises(ValueError, match=r"LinenSparseEmbed 'LinenSparseEmbed_0': batch\['users'\]"
+                                       r" was preprocessed for another layout.*table 'users'"
+                                       r" vocabulary_size 4000 \(batch\) vs 64 \(plan\)"):
+    step(state, theirs)
+
+
+class _NnxModel(nnx.Module):
+  def __init__(self, *, rngs: nnx.Rngs):
+    self.embed = NnxSparseEmbed(ref.FEATURES, mesh=ref.mesh(1), rngs=rngs)
+    self.out = nnx.Linear(ref.WIDTH, 1, rngs=rngs)
+
+  def __call__(self, batch):
+    activations = self.embed(batch)
+    return self.out(jnp.concatenate([activations[f.name] for f in ref.FEATURES], -1))[:, 0]
+
+
+@pytest.mark.parametrize("wrt", [nnx.Variable, ...], ids=["Variable", "everything"])
+def test_the_nnx_step_refuses_an_optimizer_that_holds_the_tables(wrt):
+  """An optimizer over every variable kept optax state as large as the tables, and the
+  step then failed inside optax with a pytree structure error naming neither."""
+  model = _NnxModel(rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=wrt)
+  step = make_nnx_train_step(lambda model, batch: jnp.mean(model(batch) ** 2))
+  raw, _ = ref.raw_batch(0)
+  batch = ref.preprocessed(raw, model.embed.plan.layout)
+  with pytest.raises(ValueError, match=r"nnx.Optimizer's wrt=.* selects the EmbeddingVariables"
+                                       r" .* of the embedding layers \['embed'\].*"
+                                       r" wrt=nnx.Param\)"):
+    step(model, optimizer, batch)
+  model = _NnxModel(rngs=nnx.Rngs(0))
+  step(model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param), batch)
