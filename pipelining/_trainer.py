@@ -476,8 +476,7 @@ class Trainer:
       """The newest batch taken, unless the loop applied it or holds it in flight.
 
       Only that batch can be untaken: the first of a fit that trained
-      nothing, one that arrived after a stop was requested, one looked at
-      past num_steps.
+      nothing, one that arrived after a stop was requested.
       """
       untaken = last_taken is not None and self._loop.data is position_before
       return (last_taken,) if untaken else ()
@@ -524,7 +523,8 @@ class Trainer:
         # Stopped at num_steps without looking past the last batch, where a
         # pipelined fit takes the next one (its lookup): a fit ending with
         # the data sees the end in both modes (the next fit starts anew).
-        next_batch()
+        # The next batch is not taken: an error in it is the next fit's.
+        data_ended = self._data_ended(prefetcher)
       self._fit_data.hand_on(train_data, epochs, prefetcher, unapplied(),
                              interrupted=history.interrupted, data_ended=data_ended)
       evaluated = bool(history.evaluations) and history.evaluations[-1][0] == step
@@ -644,12 +644,17 @@ class Trainer:
     if stop:
       self._stop.set()  # agreed here, at no extra exchange (`Schedule.stopped`)
     if ended and prepared is not None:
-      _LOG.warning(
-          "process %d: another process's data ended before this process's; the global batches"
-          " end there and this process's remaining batches are not used. Give every process"
-          " the same number of batches.", jax.process_index())
+      _warn_data_ended_elsewhere()
       return None
     return prepared
+
+  def _data_ended(self, prefetcher: Prefetcher) -> bool:
+    """Whether the data of any process ends here; the next batch stays in `prefetcher`."""
+    here = prefetcher.at_end()
+    ended = self._any_process(here)[0]
+    if ended and not here:
+      _warn_data_ended_elsewhere()
+    return ended
 
   # --- evaluation -----------------------------------------------------------------
 
@@ -780,6 +785,13 @@ class Trainer:
 
   def _batch_size(self) -> int:
     return max(f.batch_size for f in self.plan.feature_specs)
+
+
+def _warn_data_ended_elsewhere() -> None:
+  _LOG.warning(
+      "process %d: another process's data ended before this process's; the global batches"
+      " end there and this process's remaining batches are not used. Give every process"
+      " the same number of batches.", jax.process_index())
 
 
 def _host_tree(tree: Any) -> Any:

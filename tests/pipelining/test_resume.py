@@ -415,3 +415,24 @@ def test_a_new_trainer_evaluates_the_trained_workdir_and_fit_still_resumes(tmp_p
   reference = make_trainer(None, pipelining)
   reference.fit(batches)
   assert_same_run(second, reference)
+
+
+def _with_bad_labels(batch):
+  return {**batch, "labels": batch["labels"][:3]}  # 3 labels for 8 samples
+
+
+def test_a_synchronous_fit_at_num_steps_does_not_fail_on_a_batch_it_does_not_train(tmp_path):
+  """The look past num_steps only asks whether the data ended: an error in the next batch
+  belongs to the fit that trains on it (as in one fit: after the same updates)."""
+  batches = make_batches(6, seed=92)
+  data = batches[:4] + [_with_bad_labels(batches[4])] + batches[5:]
+  trainer = make_trainer(tmp_path, False)
+  history = trainer.fit(data, num_steps=4)
+  assert history.final_step == 4 and trainer.latest_checkpoint_step() == 4
+  with pytest.raises(ValueError, match="batch 4 of the training data: labels"):
+    trainer.fit(data)
+  assert int(trainer.state.step) == 4
+  one_fit = make_trainer(None, False)
+  with pytest.raises(ValueError, match="batch 4 of the training data: labels"):
+    one_fit.fit(data)
+  assert_same_run(trainer, one_fit)
