@@ -528,9 +528,13 @@ class Trainer:
       self._fit_data.hand_on(train_data, epochs, prefetcher, unapplied(),
                              interrupted=history.interrupted, data_ended=data_ended)
       evaluated = bool(history.evaluations) and history.evaluations[-1][0] == step
-      if not history.interrupted and eval_data is not None and not evaluated:
-        end.evaluation(step)
-      self._save(self._loop, callbacks)
+      try:
+        if not history.interrupted and eval_data is not None and not evaluated:
+          end.evaluation(step)
+      finally:
+        # As at a save_every step (`StepEnd`): an evaluation that raises does
+        # not cost the save due.
+        self._save(self._loop, callbacks)
       self._wait_for_saves()
       history.final_step = step
       return history

@@ -436,3 +436,23 @@ def test_a_synchronous_fit_at_num_steps_does_not_fail_on_a_batch_it_does_not_tra
   with pytest.raises(ValueError, match="batch 4 of the training data: labels"):
     one_fit.fit(data)
   assert_same_run(trainer, one_fit)
+
+
+@pytest.mark.parametrize("pipelining", [True, False])
+def test_a_raising_final_evaluation_keeps_the_final_checkpoint(tmp_path, pipelining):
+  """As at a step of save_every: the evaluation that raises does not cost the save due."""
+  batches = make_batches(5, seed=95)
+
+  def trainer(workdir):
+    return Trainer(LinearHead(), make_specs(Adagrad(0.3)), mse, optax.adam(0.05),
+                   mesh=mesh_of(1), pipelining=pipelining, progress="off", padding_id=-1,
+                   workdir=workdir, eval_metrics=())
+
+  with pytest.raises(RuntimeError, match="after the evaluation of step 5"):
+    trainer(tmp_path).fit(batches, eval_data=batches[:1], callbacks=[RaiseInEvaluation()])
+  resumed = trainer(tmp_path)
+  history = resumed.fit(batches)
+  assert history.resumed_from == 5 and not history.steps
+  reference = trainer(None)
+  reference.fit(batches)
+  assert_same_run(resumed, reference)
