@@ -101,6 +101,7 @@ class Prefetcher:
     self._stop = threading.Event()
     self._index = start_index
     self._finished = False
+    self._failed = False
     self._unplaced: list[Any] = []  # an item the thread could not queue before stopping
     self._remainder_out = threading.Event()  # every remainder item was handed out
     if not self._remainder:
@@ -142,6 +143,11 @@ class Prefetcher:
     except BaseException as error:  # surfaced to the consumer, never lost
       self._put(_Failure(error))
     # Stopped (close): the iterator may hold more; nothing marks an end.
+
+  @property
+  def failed(self) -> bool:
+    """Whether the consumer got a failure of the iterator or of `prepare` (the stream broke)."""
+    return self._failed
 
   @property
   def iterator(self) -> Iterator[Any]:
@@ -188,7 +194,7 @@ class Prefetcher:
       self._finished = True
       raise StopIteration
     if isinstance(item, _Failure):
-      self._finished = True
+      self._finished = self._failed = True
       raise item.error
     return item
 

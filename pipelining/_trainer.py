@@ -412,8 +412,12 @@ class Trainer:
         fit that stopped before its data ended (num_steps, a stop request),
         a fit given the same object continues its stream where it stopped,
         the batches already taken from it first: fits in chunks on the same
-        data equal one fit, also for a one-shot iterator. Other data starts
-        from its beginning; after its end, the same data does too.
+        data equal one fit, also for a one-shot iterator. So it does after a
+        fit that raised (a callback, an evaluation): it goes on after the
+        batches the raising fit applied; after an error of the data itself
+        (a bad batch), a re-iterable is iterated again from that batch.
+        Other data starts from its beginning; after its end, the same data
+        does too.
       num_steps: the total number of updates to reach (counting resumed
         ones); None trains until the data (all epochs) ends.
       epochs: passes over train_data; None is one pass.
@@ -483,11 +487,13 @@ class Trainer:
 
     previous_handlers = install_stop_handlers(self._stop_requested)
     progress = None
+    started = handed_on = False  # the loop state is this fit's; what it hands on is kept
     try:
       first = next_batch()
       if not self._start(first, train_data, history):
         history.final_step = 0 if self.state is None else int(self.state.step)
         return history
+      started = True
       last_taken, position_before = first, self._loop.data  # as restored by `_start`
       check_agreement("fit arguments", {
           "num_steps": num_steps, "epochs": epochs, "eval_every": eval_every,
@@ -525,6 +531,7 @@ class Trainer:
         # the data sees the end in both modes (the next fit starts anew).
         # The next batch is not taken: an error in it is the next fit's.
         data_ended = self._data_ended(prefetcher)
+      handed_on = True
       self._fit_data.hand_on(train_data, epochs, prefetcher, unapplied(),
                              interrupted=history.interrupted, data_ended=data_ended)
       evaluated = bool(history.evaluations) and history.evaluations[-1][0] == step
@@ -538,7 +545,15 @@ class Trainer:
       self._wait_for_saves()
       history.final_step = step
       return history
-    except BaseException:
+    except BaseException as error:
+      if started and not handed_on:
+        # The loop state holds the batches taken so far: the next fit goes on
+        # after them. A broken stream, or an abort (a second Ctrl-C), is not
+        # carried, nor is any stream with several processes (they no longer agree).
+        keep = (isinstance(error, Exception) and not prefetcher.failed
+                and jax.process_count() == 1)
+        self._fit_data.hand_on(train_data, epochs, prefetcher, unapplied(), interrupted=True,
+                               data_ended=data_ended, keep_stream=keep)
       self._finish_saves_after_error()
       raise
     finally:
