@@ -3,13 +3,15 @@
 Every fit reads its batches through a `Prefetcher` over a `DataStream`
 (`pipelining._data`). Where that stream starts:
 - a fit given the same data object (and epochs) as a fit that stopped before
-  its data ended (at num_steps, or on a stop request) continues that fit's
-  stream, first handing out the batches that fit took but did not apply. So
+  its data ended (at num_steps, on a stop request, or on an exception raised
+  by a callback, an evaluation or a save) continues that fit's stream, first
+  handing out the batches that fit took but did not apply. So
   fits in chunks on the same data equal one fit, also for a one-shot
   iterator, as a new Trainer resuming the final checkpoint would;
 - any other fit starts at `position(after_interruption)`: after a stop
-  request whose data did not end, another object of the same data skips the
-  batches consumed; else a newer checkpoint's position, or the beginning.
+  request (or an exception, once the loop ran) whose data did not end,
+  another object of the same data skips the batches consumed; else a newer
+  checkpoint's position, or the beginning.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ class FitData:
     # After a fit that stopped before its data ended: its data, stream and the
     # batches taken but not applied. Each `open` consumes it.
     self._carry: _CarriedStream | None = None
-    # True after a stop request whose data did not end. Each `open` consumes it.
+    # True after a stop request or an exception whose data did not end. Each `open`
+    # consumes it.
     self._after_interruption = False
 
   def open(self, train_data: Iterable[Any], epochs: int | None, *, can_continue: bool,
@@ -92,7 +95,8 @@ class FitData:
     return prefetcher, continued
 
   def hand_on(self, train_data: Iterable[Any], epochs: int | None, prefetcher: Prefetcher,
-              unapplied: tuple[Prepared, ...], *, interrupted: bool, data_ended: bool) -> None:
+              unapplied: tuple[Prepared, ...], *, interrupted: bool, data_ended: bool,
+              keep_stream: bool = True) -> None:
     """Keeps what the next fit continues from, at the end of a fit.
 
     A fit that stopped before its data ended has taken batches that it did
@@ -100,17 +104,22 @@ class FitData:
     prefetched ones, and, pipelined, the one in flight (kept in the loop
     state). The next fit given the same data object continues that stream
     with them. Every process carries its stream, or none does.
+
+    A fit that raised once its loop ran stopped too (`interrupted`): the
+    loop state holds the batches taken so far. With `keep_stream` False (the
+    stream broke, or the processes cannot agree any more) nothing is
+    carried: the next fit starts at the loop's data position.
     """
     self._after_interruption = interrupted and not data_ended
     self._carry = None
-    if data_ended:
+    if data_ended or not keep_stream:
       return
     remainder = prefetcher.close_and_keep()
     if remainder is None:
       _LOG.warning(
           "the data iterator did not return within 10 s after fit stopped; a later fit cannot"
-          " continue its stream and starts the data anew (a one-shot iterator may then lose"
-          " batches).")
+          " continue its stream: it starts at the data position, iterating the data again and"
+          " skipping the batches consumed (which a one-shot iterator cannot).")
     kept = remainder is not None
     if jax.process_count() > 1:
       kept = all(allgather_json("fit carries its data stream", kept))

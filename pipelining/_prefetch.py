@@ -15,7 +15,9 @@ Guarantees:
     without hanging even if the consumer stops early;
   * `close_and_keep()` also returns what was taken from the iterator but not
     handed out (a `Remainder`), so that a later Prefetcher on the same
-    iterator continues exactly where the consumer stopped: no batch is lost.
+    iterator continues exactly where the consumer stopped: no batch is lost;
+  * `at_end()` says whether the data ended, without handing out (or raising)
+    the next item.
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ class Prefetcher:
     self._stop = threading.Event()
     self._index = start_index
     self._finished = False
+    self._failed = False
     self._unplaced: list[Any] = []  # an item the thread could not queue before stopping
     self._remainder_out = threading.Event()  # every remainder item was handed out
     if not self._remainder:
@@ -142,6 +145,11 @@ class Prefetcher:
     # Stopped (close): the iterator may hold more; nothing marks an end.
 
   @property
+  def failed(self) -> bool:
+    """Whether the consumer got a failure of the iterator or of `prepare` (the stream broke)."""
+    return self._failed
+
+  @property
   def iterator(self) -> Iterator[Any]:
     """The iterator the batches are taken from."""
     return self._iterator
@@ -157,22 +165,36 @@ class Prefetcher:
       if not self._remainder:
         self._remainder_out.set()
       return self._handed_out(item)
+    return self._handed_out(self._get())
+
+  def at_end(self) -> bool:
+    """Whether the data ended here: waits for the next item without handing it out.
+
+    A batch, or a failure of the iterator or of `prepare`, stays to be
+    handed out (or raised) by the next `next`, or kept by `close_and_keep`.
+    """
+    if self._finished:
+      return True
+    if not self._remainder:
+      self._remainder.append(self._get())  # the thread pulls on: it is handed out first
+    return self._remainder[0] is _END
+
+  def _get(self) -> Any:
+    """The next item the thread queued (waits for it)."""
     while True:
       try:
-        item = self._queue.get(timeout=0.1)
-        break
+        return self._queue.get(timeout=0.1)
       except queue.Empty:
         if not self._thread.is_alive() and self._queue.empty():
           self._finished = True
           raise RuntimeError("the prefetch thread stopped without reporting; this is a bug.")
-    return self._handed_out(item)
 
   def _handed_out(self, item) -> Prepared:
     if item is _END:
       self._finished = True
       raise StopIteration
     if isinstance(item, _Failure):
-      self._finished = True
+      self._finished = self._failed = True
       raise item.error
     return item
 

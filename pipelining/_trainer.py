@@ -412,8 +412,12 @@ class Trainer:
         fit that stopped before its data ended (num_steps, a stop request),
         a fit given the same object continues its stream where it stopped,
         the batches already taken from it first: fits in chunks on the same
-        data equal one fit, also for a one-shot iterator. Other data starts
-        from its beginning; after its end, the same data does too.
+        data equal one fit, also for a one-shot iterator. So it does after a
+        fit that raised (a callback, an evaluation): it goes on after the
+        batches the raising fit applied; after an error of the data itself
+        (a bad batch), a re-iterable is iterated again from that batch.
+        Other data starts from its beginning; after its end, the same data
+        does too.
       num_steps: the total number of updates to reach (counting resumed
         ones); None trains until the data (all epochs) ends.
       epochs: passes over train_data; None is one pass.
@@ -476,19 +480,20 @@ class Trainer:
       """The newest batch taken, unless the loop applied it or holds it in flight.
 
       Only that batch can be untaken: the first of a fit that trained
-      nothing, one that arrived after a stop was requested, one looked at
-      past num_steps.
+      nothing, one that arrived after a stop was requested.
       """
       untaken = last_taken is not None and self._loop.data is position_before
       return (last_taken,) if untaken else ()
 
     previous_handlers = install_stop_handlers(self._stop_requested)
     progress = None
+    started = handed_on = False  # the loop state is this fit's; what it hands on is kept
     try:
       first = next_batch()
       if not self._start(first, train_data, history):
         history.final_step = 0 if self.state is None else int(self.state.step)
         return history
+      started = True
       last_taken, position_before = first, self._loop.data  # as restored by `_start`
       check_agreement("fit arguments", {
           "num_steps": num_steps, "epochs": epochs, "eval_every": eval_every,
@@ -524,17 +529,31 @@ class Trainer:
         # Stopped at num_steps without looking past the last batch, where a
         # pipelined fit takes the next one (its lookup): a fit ending with
         # the data sees the end in both modes (the next fit starts anew).
-        next_batch()
+        # The next batch is not taken: an error in it is the next fit's.
+        data_ended = self._data_ended(prefetcher)
+      handed_on = True
       self._fit_data.hand_on(train_data, epochs, prefetcher, unapplied(),
                              interrupted=history.interrupted, data_ended=data_ended)
       evaluated = bool(history.evaluations) and history.evaluations[-1][0] == step
-      if not history.interrupted and eval_data is not None and not evaluated:
-        end.evaluation(step)
-      self._save(self._loop, callbacks)
+      try:
+        if not history.interrupted and eval_data is not None and not evaluated:
+          end.evaluation(step)
+      finally:
+        # As at a save_every step (`StepEnd`): an evaluation that raises does
+        # not cost the save due.
+        self._save(self._loop, callbacks)
       self._wait_for_saves()
       history.final_step = step
       return history
-    except BaseException:
+    except BaseException as error:
+      if started and not handed_on:
+        # The loop state holds the batches taken so far: the next fit goes on
+        # after them. A broken stream, or an abort (a second Ctrl-C), is not
+        # carried, nor is any stream with several processes (they no longer agree).
+        keep = (isinstance(error, Exception) and not prefetcher.failed
+                and jax.process_count() == 1)
+        self._fit_data.hand_on(train_data, epochs, prefetcher, unapplied(), interrupted=True,
+                               data_ended=data_ended, keep_stream=keep)
       self._finish_saves_after_error()
       raise
     finally:
@@ -644,12 +663,17 @@ class Trainer:
     if stop:
       self._stop.set()  # agreed here, at no extra exchange (`Schedule.stopped`)
     if ended and prepared is not None:
-      _LOG.warning(
-          "process %d: another process's data ended before this process's; the global batches"
-          " end there and this process's remaining batches are not used. Give every process"
-          " the same number of batches.", jax.process_index())
+      _warn_data_ended_elsewhere()
       return None
     return prepared
+
+  def _data_ended(self, prefetcher: Prefetcher) -> bool:
+    """Whether the data of any process ends here; the next batch stays in `prefetcher`."""
+    here = prefetcher.at_end()
+    ended = self._any_process(here)[0]
+    if ended and not here:
+      _warn_data_ended_elsewhere()
+    return ended
 
   # --- evaluation -----------------------------------------------------------------
 
@@ -780,6 +804,13 @@ class Trainer:
 
   def _batch_size(self) -> int:
     return max(f.batch_size for f in self.plan.feature_specs)
+
+
+def _warn_data_ended_elsewhere() -> None:
+  _LOG.warning(
+      "process %d: another process's data ended before this process's; the global batches"
+      " end there and this process's remaining batches are not used. Give every process"
+      " the same number of batches.", jax.process_index())
 
 
 def _host_tree(tree: Any) -> Any:

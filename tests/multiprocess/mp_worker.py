@@ -19,6 +19,7 @@ process). CONFIG keys:
   no_kernels    a process that behaves as if its C++ CPU kernels were not
                 built (it chooses the portable backend), or null.
   short         a process that feeds one batch less than the others, or null.
+  pipelining    the Trainer's mode (default true).
   empty         a process that feeds no batch at all, or null.
   late          {"process": p, "seconds": s}: process p sleeps s seconds
                 before it builds its Trainer, or null.
@@ -93,7 +94,8 @@ def run(config):
   if config.get("mesh_devices"):
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:config["mesh_devices"]]), ("devices",))
   trainer = make_trainer(workdir, learning_rate=rate, mesh=mesh,
-                         save_every=config.get("save_every"), incremental=incremental)
+                         save_every=config.get("save_every"), incremental=incremental,
+                         pipelining=config.get("pipelining", True))
   data = local_batches(trainer, make_batches(config["batches"], config["seed"]))
   if config.get("short") == process:
     data = data[:-1]

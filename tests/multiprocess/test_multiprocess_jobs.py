@@ -314,6 +314,16 @@ def test_the_data_ends_for_all_when_one_process_has_fewer_batches(tmp_path):
   assert "process 0: another process's data ended" in outcomes[0].stderr
 
 
+def test_a_synchronous_job_stopped_at_num_steps_sees_the_data_end_on_any_process(tmp_path):
+  """The look past num_steps agrees on the end like a step does: one process's data ends."""
+  outcomes = run_failing(tmp_path, short=1, num_steps=BATCHES - 1, pipelining=False)
+  assert [o.returncode for o in outcomes] == [0, 0], describe(outcomes)
+  for process in (0, 1):
+    assert history(tmp_path, process)["final_step"] == BATCHES - 1
+  assert "process 0: another process's data ended" in outcomes[0].stderr, describe(outcomes)
+  assert "another process's data ended" not in outcomes[1].stderr, describe(outcomes)
+
+
 def test_the_data_ends_for_all_when_one_process_has_no_batches(tmp_path):
   """A process without a batch cannot build: every process stops before building, none
   waits for it until the distributed timeout and fails."""

@@ -71,3 +71,33 @@ def test_a_stopped_prefetcher_hands_on_every_batch_it_took(seed, depth):
     # The index of the next batch pulled from `iterator`: after those handed on.
     start = len(got) + sum(isinstance(item, Prepared) for item in remainder)
   assert got == [10 * i for i in range(total)]
+
+
+def test_at_end_waits_for_the_next_item_and_leaves_it_to_be_handed_out():
+  """`at_end` tells the end of the data apart from a batch or a failure, taking neither."""
+  def items():
+    yield 0
+    yield 1
+    raise KeyError("broken record 2")
+
+  prefetcher = Prefetcher(items(), _prepare, depth=1)
+  assert not prefetcher.at_end() and not prefetcher.at_end()
+  assert next(prefetcher).batch == 0
+  assert not prefetcher.at_end()
+  assert next(prefetcher).batch == 10
+  assert not prefetcher.at_end()  # the failure is raised by next, in its place
+  kept = prefetcher.close_and_keep()
+  assert kept is not None and not kept.at_end
+  following = Prefetcher(iter(()), _prepare, remainder=kept.items)
+  with pytest.raises(KeyError, match="broken record 2"):
+    next(following)
+  with Prefetcher(iter(range(2)), _prepare, depth=3) as prefetcher:
+    assert [next(prefetcher).batch for _ in range(2)] == [0, 10]
+    assert prefetcher.at_end() and prefetcher.at_end()
+    with pytest.raises(StopIteration):
+      next(prefetcher)
+    assert prefetcher.at_end()
+  with Prefetcher(iter(range(3)), _prepare, depth=1) as prefetcher:
+    assert not prefetcher.at_end()
+    kept = prefetcher.close_and_keep()
+  assert [item.batch for item in kept.items if isinstance(item, Prepared)][0] == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -415,3 +416,83 @@ def test_a_new_trainer_evaluates_the_trained_workdir_and_fit_still_resumes(tmp_p
   reference = make_trainer(None, pipelining)
   reference.fit(batches)
   assert_same_run(second, reference)
+
+
+def _with_bad_labels(batch):
+  return {**batch, "labels": batch["labels"][:3]}  # 3 labels for 8 samples
+
+
+def test_a_synchronous_fit_at_num_steps_does_not_fail_on_a_batch_it_does_not_train(tmp_path):
+  """The look past num_steps only asks whether the data ended: an error in the next batch
+  belongs to the fit that trains on it (as in one fit: after the same updates)."""
+  batches = make_batches(6, seed=92)
+  data = batches[:4] + [_with_bad_labels(batches[4])] + batches[5:]
+  trainer = make_trainer(tmp_path, False)
+  history = trainer.fit(data, num_steps=4)
+  assert history.final_step == 4 and trainer.latest_checkpoint_step() == 4
+  with pytest.raises(ValueError, match="batch 4 of the training data: labels"):
+    trainer.fit(data)
+  assert int(trainer.state.step) == 4
+  one_fit = make_trainer(None, False)
+  with pytest.raises(ValueError, match="batch 4 of the training data: labels"):
+    one_fit.fit(data)
+  assert_same_run(trainer, one_fit)
+
+
+@pytest.mark.parametrize("pipelining", [True, False])
+@pytest.mark.parametrize("one_shot", [True, False])
+def test_a_fit_after_a_raising_callback_continues_the_data_where_it_stood(pipelining, one_shot):
+  """The state kept after the exception is that of the batches taken so far (pipelined: one
+  of them in flight): the next fit on the data continues after them, as after a stop."""
+  batches = make_batches(9, seed=93)
+  data = iter(batches) if one_shot else batches
+  trainer = make_trainer(None, pipelining)
+  with pytest.raises(RuntimeError, match="raised by a callback at step 3"):
+    trainer.fit(data, callbacks=[raise_at(3)])
+  assert trainer.fit(data).final_step == 9
+  reference = make_trainer(None, pipelining)
+  reference.fit(batches)
+  assert_same_run(trainer, reference)
+
+
+@pytest.mark.parametrize("pipelining", [True, False])
+def test_a_batch_fixed_after_its_error_is_applied_in_its_place(tmp_path, pipelining):
+  """A bad batch of a list raises; fixed in place, the next fit applies it and goes on, as
+  a new Trainer resuming the workdir does."""
+  batches = make_batches(8, seed=94)
+  data = list(batches)
+  data[5] = _with_bad_labels(batches[5])
+  trainer = make_trainer(tmp_path / "run", pipelining)
+  with pytest.raises(ValueError, match="batch 5 of the training data: labels"):
+    trainer.fit(data)
+  step = int(trainer.state.step)
+  shutil.copytree(tmp_path / "run", tmp_path / "copy")
+  data[5] = batches[5]
+  history = trainer.fit(data)
+  assert history.resumed_from is None and history.final_step == 8
+  resumed = make_trainer(tmp_path / "copy", pipelining)
+  assert resumed.fit(data).resumed_from == step
+  reference = make_trainer(None, pipelining)
+  reference.fit(batches)
+  assert_same_run(trainer, reference)
+  assert_same_run(resumed, reference)
+
+
+@pytest.mark.parametrize("pipelining", [True, False])
+def test_a_raising_final_evaluation_keeps_the_final_checkpoint(tmp_path, pipelining):
+  """As at a step of save_every: the evaluation that raises does not cost the save due."""
+  batches = make_batches(5, seed=95)
+
+  def trainer(workdir):
+    return Trainer(LinearHead(), make_specs(Adagrad(0.3)), mse, optax.adam(0.05),
+                   mesh=mesh_of(1), pipelining=pipelining, progress="off", padding_id=-1,
+                   workdir=workdir, eval_metrics=())
+
+  with pytest.raises(RuntimeError, match="after the evaluation of step 5"):
+    trainer(tmp_path).fit(batches, eval_data=batches[:1], callbacks=[RaiseInEvaluation()])
+  resumed = trainer(tmp_path)
+  history = resumed.fit(batches)
+  assert history.resumed_from == 5 and not history.steps
+  reference = trainer(None)
+  reference.fit(batches)
+  assert_same_run(resumed, reference)
