@@ -20,7 +20,8 @@ import re
 from etils import epath
 
 from checkpoint import _integrity
-from checkpoint._chain import chain_problems, walk_chain
+from checkpoint._chain import chain_problems, delta_manifest, walk_chain
+from checkpoint._delta import IDS, DeltaItem, DeltaManifest
 from checkpoint._direct import chunk_file
 from checkpoint._errors import CheckpointError
 from checkpoint._format import MANIFEST_FILE, array_dir, numpy_dtype
@@ -124,11 +125,18 @@ def _links(directory: epath.Path) -> list[Problem]:
 
 
 def verify_item(item: epath.Path) -> list[Problem]:
-  """The problems of a bare embedding item: links, and every chunk of every array."""
+  """The problems of a bare embedding item: links, and every chunk of every array.
+
+  A delta item's arrays (every process's part) are read in full, which
+  checks their chunks' checksums; its chain is not followed.
+  """
   problems = _links(item)
   if problems:
     return problems
   try:
+    delta = delta_manifest(item)
+    if delta is not None:
+      return _verify_delta(item, delta)
     reader = CheckpointReader(item)
   except CheckpointError as error:
     return [Problem("error", item, str(error))]
@@ -142,6 +150,25 @@ def verify_item(item: epath.Path) -> list[Problem]:
       chunk_bytes = info.chunk_rows * info.shape[1] * numpy_dtype(info.dtype).itemsize
       for chunk in range(-(-info.shape[0] // info.chunk_rows)):
         problems.extend(_check_chunk(chunk_file(path, chunk), chunk_bytes, reader))
+  return problems
+
+
+def _verify_delta(item: epath.Path, manifest: DeltaManifest) -> list[Problem]:
+  problems = []
+  if manifest.state.storage.checksum != "crc32c":
+    problems.append(
+        Problem("foreign", item, "stored without chunk checksums: only shapes can be checked")
+    )
+  try:
+    delta = DeltaItem(item, manifest)
+    for stack in delta.layout.stack_names:
+      arrays = [IDS, None, *manifest.state.group(stack).slots]
+      for process in range(manifest.num_processes):
+        if delta.counts[process][stack]:
+          for array in arrays:
+            delta.store(stack, process, array).read().result()
+  except (CheckpointError, ValueError) as error:
+    problems.append(Problem("error", item, str(error)))
   return problems
 
 

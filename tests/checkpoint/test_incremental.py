@@ -208,6 +208,29 @@ def test_verify_of_a_delta_item_reads_it_as_its_chain(tmp_path):
   assert any("delta chain is broken: step 1 is missing" in p.message for p in errors), errors
 
 
+def test_adopt_of_a_delta_step_without_integrity_manifest_checks_its_parts(tmp_path, capsys):
+  """`verify --adopt` of a delta step written before integrity manifests existed: it
+  read the delta item as a full one ("not an embedding checkpoint manifest")."""
+  from checkpoint.cli import main
+
+  _, _, delta_root, _, _ = _train_side_by_side(tmp_path, 2, steps=4)
+  step = delta_root / "3"
+  before = _table_state(delta_root, 3)
+  (step / "integrity.json").unlink()
+  assert main(["verify", "--adopt", str(step)]) == 0, capsys.readouterr()
+  assert (step / "integrity.json").exists()
+  _same(_table_state(delta_root, 3), before)
+  (step / "integrity.json").unlink()
+  chunk = next(path for path in sorted((step / "embedding" / "stacks").rglob("*"))
+               if path.is_file() and path.parent.parent.name == "c"
+               and path.parent.parent.parent.name == "table")
+  data = bytearray(chunk.read_bytes())
+  data[len(data) // 2] ^= 0x40
+  chunk.write_bytes(bytes(data))
+  assert main(["verify", "--adopt", str(step)]) != 0
+  assert not (step / "integrity.json").exists()
+
+
 def test_a_failed_delta_save_leaves_the_previous_step_and_restarts_the_chain(tmp_path, monkeypatch):
   from checkpoint import _delta  # pylint: disable=g-import-not-at-top
 
