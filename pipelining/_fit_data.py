@@ -58,9 +58,9 @@ class FitData:
     # After a fit that stopped before its data ended: its data, stream and the
     # batches taken but not applied. Each `open` consumes it.
     self._carry: _CarriedStream | None = None
-    # True after a stop request or an exception whose data did not end. Each `open`
-    # consumes it.
-    self._after_interruption = False
+    # True after a stop request or an exception whose data did not end: the
+    # next fit on other data starts at the loop's position. Each `open` consumes it.
+    self._at_loop_position = False
 
   def open(self, train_data: Iterable[Any], epochs: int | None, *, can_continue: bool,
            position: Callable[[bool], dict[str, Any]]) -> tuple[Prefetcher, bool]:
@@ -77,7 +77,7 @@ class FitData:
       The prefetcher, and whether it continues the last fit's stream.
     """
     carry, self._carry = self._carry, None
-    after_interruption, self._after_interruption = self._after_interruption, False
+    after_interruption, self._at_loop_position = self._at_loop_position, False
     continued = (carry is not None and carry.data is train_data
                  and carry.epochs == epoch_count(epochs) and can_continue)
     if continued:
@@ -110,7 +110,7 @@ class FitData:
     stream broke, or the processes cannot agree any more) nothing is
     carried: the next fit starts at the loop's data position.
     """
-    self._after_interruption = interrupted and not data_ended
+    self._at_loop_position = interrupted and not data_ended
     self._carry = None
     if data_ended or not keep_stream:
       return

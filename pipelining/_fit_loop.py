@@ -127,9 +127,9 @@ class Schedule:
     steps: the compiled steps.
     next_batch: the next prepared batch (a `Prepared` of a `Staged`), or
       None when the data of any process ended. The processes also agree
-      there on any stop requested meanwhile (`stopped`).
+      there on any stop requested meanwhile (`stop_agreed`).
     should_stop: whether a stop was requested (on any process).
-    stopped: whether the processes have agreed to stop, without asking
+    stop_agreed: whether the processes have agreed to stop, without asking
       again: a stop requested while `next_batch` waited for the data leaves
       the batch it returned untaken.
     num_steps: the total updates to reach, or None.
@@ -138,7 +138,7 @@ class Schedule:
   steps: CompiledSteps
   next_batch: Callable[[], Prepared | None]
   should_stop: Callable[[], bool]
-  stopped: Callable[[], bool]
+  stop_agreed: Callable[[], bool]
   num_steps: int | None
 
   def reached(self, step: int) -> bool:
@@ -159,7 +159,7 @@ def sync_steps(schedule: Schedule, state: LoopState,
   first, unless the run is complete already.
   """
   step = int(state.train.step)
-  if state.in_flight is not None and not schedule.reached(step):
+  if state.in_flight is not None and not (schedule.reached(step) or schedule.should_stop()):
     index = newest_index(state.data)
     train, metrics = schedule.steps.drain(state.train, state.in_flight)
     state = LoopState(train, None, None, state.data)
@@ -176,7 +176,7 @@ def sync_steps(schedule: Schedule, state: LoopState,
     if schedule.reached(step) or schedule.should_stop():
       return
     pending = schedule.next_batch()
-    if pending is None or schedule.stopped():
+    if pending is None or schedule.stop_agreed():
       return
 
 
@@ -198,7 +198,7 @@ def pipelined_steps(schedule: Schedule, state: LoopState,
     # Only the end of the data drains the pipeline.
     if pending is None:
       pending = schedule.next_batch()
-      if pending is not None and schedule.stopped():
+      if pending is not None and schedule.stop_agreed():
         return  # requested while waiting for it: the batch in flight stays so
     index = newest_index(state.data)
     if pending is None:

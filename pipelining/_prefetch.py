@@ -102,6 +102,7 @@ class Prefetcher:
     self._index = start_index
     self._finished = False
     self._failed = False
+    self._closed = False
     self._unplaced: list[Any] = []  # an item the thread could not queue before stopping
     self._remainder_out = threading.Event()  # every remainder item was handed out
     if not self._remainder:
@@ -199,9 +200,15 @@ class Prefetcher:
     return item
 
   def close(self) -> None:
-    """Stops the background thread (pending prepared batches are discarded)."""
+    """Stops the background thread (pending prepared batches are discarded).
+
+    Waits up to 10 s for it (it may be inside the iterator), on the first
+    call only: a thread stuck there is not waited for twice.
+    """
     self._stop.set()
-    self._thread.join(timeout=10)
+    if not self._closed:
+      self._closed = True
+      self._thread.join(timeout=10)
 
   def close_and_keep(self) -> Remainder | None:
     """Stops the thread; returns what it took from the iterator and did not hand out.

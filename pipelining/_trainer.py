@@ -661,7 +661,7 @@ class Trainer:
       prepared = None
     ended, stop = self._any_process(prepared is None, self._stop_requested.is_set())
     if stop:
-      self._stop.set()  # agreed here, at no extra exchange (`Schedule.stopped`)
+      self._stop.set()  # agreed here, at no extra exchange (`Schedule.stop_agreed`)
     if ended and prepared is not None:
       _warn_data_ended_elsewhere()
       return None

@@ -235,7 +235,9 @@ def size_limits_from_stats(
     stats = collect_stats(batches[:20], features, layout, padding_id=-1)
     features = size_limits_from_stats(features, stats, headroom=1.2)
   """
-  if not headroom >= 1.0 or not math.isfinite(headroom):
+  headroom = python_scalar(headroom)
+  if (isinstance(headroom, bool) or not isinstance(headroom, (int, float))
+      or not headroom >= 1.0 or not math.isfinite(headroom)):
     raise ValueError(f"headroom must be a finite number >= 1, got {headroom!r}.")
   if policy not in ("raise", "fit"):
     raise ValueError(f"policy must be 'raise' or 'fit', got {policy!r}.")

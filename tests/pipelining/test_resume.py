@@ -324,6 +324,26 @@ def test_a_step_folder_renamed_by_hand_is_refused_naming_its_real_step(tmp_path)
     make_trainer(tmp_path, False).fit(batches)
 
 
+class _StopAtStart(Callback):
+  def on_fit_start(self, trainer, step):
+    trainer.request_stop()
+
+
+def test_a_synchronous_fit_asked_to_stop_at_its_start_leaves_the_batch_in_flight(tmp_path):
+  """As a pipelined fit does: the in-flight batch of a pipelined checkpoint is not
+  applied by a synchronous fit stopped before its first step; the next fit applies it."""
+  batches = make_batches(7, seed=92)
+  assert make_trainer(tmp_path, True).fit(batches, callbacks=[stop_at(3)]).interrupted
+  synchronous = make_trainer(tmp_path, False)
+  history = synchronous.fit(batches, callbacks=[_StopAtStart()])
+  assert history.interrupted and history.final_step == 3 and not history.steps
+  assert synchronous._loop.in_flight is not None
+  assert synchronous.fit(batches, num_steps=4).final_step == 4
+  reference = make_trainer(None, True)
+  reference.fit(batches, num_steps=4)
+  assert_same_run(synchronous, reference)
+
+
 @pytest.mark.parametrize("num_steps", [3, 4, 5])
 def test_a_synchronous_fit_resuming_a_pipelined_checkpoint_stops_at_num_steps(tmp_path, num_steps):
   """The in-flight batch of a pipelined checkpoint counts toward num_steps."""

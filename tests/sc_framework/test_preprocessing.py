@@ -849,6 +849,10 @@ def test_sizing_from_stats():
   assert fit[0].table.max_ids_per_partition == merged.max_ids_per_partition
   with pytest.raises(ValueError, match="headroom"):
     size_limits_from_stats(specs, stats, headroom=0.5)
+  for bad in ("1.2", True, None):
+    with pytest.raises(ValueError, match=r"headroom must be a finite number >= 1, got"):
+      size_limits_from_stats(specs, stats, headroom=bad)
+  assert size_limits_from_stats(specs, stats, headroom=np.float64(1.5)) == sized
   assert isinstance(stats, PreprocessStats)
 
 
