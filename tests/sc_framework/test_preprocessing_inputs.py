@@ -34,20 +34,10 @@ from sc_framework.preprocessing import (
     preprocess,
     size_limits_from_stats,
 )
-from sc_framework.preprocessing import _native
 from sc_framework.specs import FeatureSpec, TableSpec
 from sc_framework.stacking import auto_stack_tables, stack_tables
+from test_preprocessing import preprocessing_loops  # noqa: F401 - autouse: C++ loops, numpy
 from tests.numerics import assert_close, assert_same_bits
-
-
-@pytest.fixture(autouse=True, params=["cpp", "numpy"])
-def preprocessing_loops(request, monkeypatch):
-  """Runs the test with the C++ loops of `_native`, then with numpy alone."""
-  if request.param == "numpy":
-    monkeypatch.setattr(_native, "host_kernels", lambda: None)
-  elif _native.host_kernels() is None:
-    pytest.skip("the C++ preprocessing loops are not built here")
-  return request.param
 
 
 # --- the oracle -----------------------------------------------------------------
