@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sc_framework import FeatureSpec, TableSpec, stack_tables
 from sc_framework.optimizers import SGD, OptimizerSpec
-from sc_framework.stacking import EmbeddingLayout, stack, unstack
+from sc_framework.stacking import EmbeddingLayout, logical_to_global_rows, stack, unstack
 from tests.numerics import assert_same_bits
 
 AXIS = "table"
@@ -81,6 +81,18 @@ class Model:
             assert_same_bits(
                 array, self.slots[name][spec.name], err_msg=f"{name}/{spec.name}"
             )
+
+
+def touch_rows(model: Model, layout: EmbeddingLayout, tracker, rng, share: float) -> None:
+  """Changes random rows of every table and slot in place (at least one per table, `share`
+  of them); records them in `tracker` (an UpdatedRows of `layout`)."""
+  for name, table in model.logical.items():
+    count = max(1, int(share * table.shape[0]))
+    rows = rng.choice(table.shape[0], size=count, replace=False)
+    table[rows] += rng.standard_normal((count, table.shape[1])).astype(table.dtype)
+    for slot in model.slots[name].values():
+      slot[rows] += rng.random((count, slot.shape[1])).astype(slot.dtype)
+    tracker.add(layout.stack_of_table(name).name, logical_to_global_rows(layout, name, rows))
 
 
 def make_mesh(num_devices: int) -> Mesh:

@@ -17,9 +17,8 @@ import pytest
 
 import checkpoint as ck
 from checkpoint._compact import COMPACTING_SUFFIX, REPLACED_SUFFIX, compact
-from ckpt_testlib import make_model
+from ckpt_testlib import make_model, touch_rows
 from sc_framework.optimizers import SGD, RowWiseAdagrad
-from sc_framework.stacking import logical_to_global_rows
 from tests.numerics import assert_same_bits
 
 SPECS = [("a", 48, 8, RowWiseAdagrad()), ("b", 64, 6, RowWiseAdagrad()), ("c", 40, 8, SGD())]
@@ -37,12 +36,7 @@ def _chain(root, seed):
   with ck.CheckpointManager(root, keep_latest=10, incremental=ck.IncrementalPolicy()) as manager:
     for step in range(STEPS):
       if step:
-        for name, table in model.logical.items():
-          rows = rng.choice(table.shape[0], size=5, replace=False)
-          table[rows] += rng.standard_normal((5, table.shape[1])).astype(table.dtype)
-          for slot in model.slots[name].values():
-            slot[rows] += rng.random((5, slot.shape[1])).astype(slot.dtype)
-          tracker.add(layout.stack_of_table(name).name, logical_to_global_rows(layout, name, rows))
+        touch_rows(model, layout, tracker, rng, 0.1)
       tables, slots = model.state(layout)
       assert manager.save(step, ck.EmbeddingSave(tables, slots, layout, model.slot_specs(layout)),
                           updated_rows=tracker, force=True)

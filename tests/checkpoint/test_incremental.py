@@ -21,25 +21,13 @@ import numpy as np
 import pytest
 
 import checkpoint as ck
-from ckpt_testlib import AXIS, make_mesh, make_model
+from ckpt_testlib import AXIS, make_mesh, make_model, touch_rows
 from sc_framework.optimizers import SGD, RowWiseAdagrad
 from sc_framework.stacking import logical_to_global_rows
 from tests.numerics import assert_same_bits
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SPECS = [("a", 64, 12, RowWiseAdagrad()), ("b", 120, 10, RowWiseAdagrad()), ("c", 40, 8, SGD())]
-
-
-def _update(model, layout, tracker, rng, share):
-  """Changes random rows of every table (and slots) in place; records them in `tracker`."""
-  for name, table in model.logical.items():
-    count = max(1, int(share * table.shape[0]))
-    rows = rng.choice(table.shape[0], size=count, replace=False)
-    table[rows] += rng.standard_normal((count, table.shape[1])).astype(table.dtype)
-    for slot in model.slots[name].values():
-      slot[rows] += rng.random((count, slot.shape[1])).astype(slot.dtype)
-    stack = layout.stack_of_table(name).name
-    tracker.add(stack, logical_to_global_rows(layout, name, rows))
 
 
 def _save(mngr, step, model, layout, tracker=None):
@@ -71,7 +59,7 @@ def _train_side_by_side(tmp_path, num_devices, *, steps=5, seed=0, share=0.1, fu
       ck.CheckpointManager(full_root, keep_latest=100) as full:
     for step in range(steps):
       if step:
-        _update(model, layout, tracker, rng, share)
+        touch_rows(model, layout, tracker, rng, share)
       _save(incremental, step, model, layout, tracker)
       _save(full, step, model, layout)
       states[step] = ({k: v.copy() for k, v in model.logical.items()})
@@ -119,7 +107,7 @@ def test_retention_keeps_every_chain_whole(tmp_path):
   with ck.CheckpointManager(tmp_path, keep_latest=2, incremental=policy) as mngr:
     for step in range(7):
       if step:
-        _update(model, layout, tracker, rng, 0.05)
+        touch_rows(model, layout, tracker, rng, 0.05)
       _save(mngr, step, model, layout, tracker)
       states[step] = {k: v.copy() for k, v in model.logical.items()}
     # Saves: 0 full, 1-3 deltas, 4 full, 5-6 deltas. The latest two (5, 6) need 4.
@@ -241,7 +229,7 @@ def test_a_failed_delta_save_leaves_the_previous_step_and_restarts_the_chain(tmp
   with ck.CheckpointManager(tmp_path, incremental=ck.IncrementalPolicy()) as mngr:
     _save(mngr, 0, model, layout, tracker)
     before = {k: v.copy() for k, v in model.logical.items()}
-    _update(model, layout, tracker, rng, 0.1)
+    touch_rows(model, layout, tracker, rng, 0.1)
 
     async def failing_commit(future):
       del future
@@ -258,7 +246,7 @@ def test_a_failed_delta_save_leaves_the_previous_step_and_restarts_the_chain(tmp
     restored = _table_state(tmp_path, 0)
     for name, table in before.items():
       assert_same_bits(restored.tables[name], table)
-    _update(model, layout, tracker, rng, 0.1)
+    touch_rows(model, layout, tracker, rng, 0.1)
     _save(mngr, 2, model, layout, tracker)  # The chain restarts: step 2 is full.
   assert "chain" not in ck.inspect(tmp_path / "2")["embedding"]
   for name, table in model.logical.items():
@@ -417,14 +405,14 @@ def test_a_chain_continues_in_another_layout_after_a_restore(tmp_path):
     tracker = ck.UpdatedRows(first)
     for step in range(3):
       if step:
-        _update(model, first, tracker, rng, 0.2)
+        touch_rows(model, first, tracker, rng, 0.2)
       _save(mngr, step, model, first, tracker)
       states[step] = {k: v.copy() for k, v in model.logical.items()}
   with ck.CheckpointManager(tmp_path, keep_latest=10, incremental=policy) as mngr:
     mngr.restore(2, ck.EmbeddingRestore(second, make_mesh(2), AXIS))  # Opens the chain at 2.
     tracker = ck.UpdatedRows(second)
     for step in (3, 4):
-      _update(model, second, tracker, rng, 0.2)
+      touch_rows(model, second, tracker, rng, 0.2)
       _save(mngr, step, model, second, tracker)
       states[step] = {k: v.copy() for k, v in model.logical.items()}
   described = ck.inspect(tmp_path / "4")

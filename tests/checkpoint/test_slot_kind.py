@@ -23,7 +23,7 @@ import pytest
 import checkpoint as ck
 from checkpoint._compact import compact
 from checkpoint.cli import main
-from ckpt_testlib import AXIS, make_mesh, make_model
+from ckpt_testlib import AXIS, make_mesh, make_model, touch_rows
 from sc_framework.optimizers import (
     FTRL,
     SGD,
@@ -35,7 +35,6 @@ from sc_framework.optimizers import (
     RowWiseAdagrad,
     SlotSpec,
 )
-from sc_framework.stacking import logical_to_global_rows
 from tests.numerics import assert_same_bits
 
 
@@ -339,16 +338,6 @@ def test_inspect_shows_the_optimizer(mixed, tmp_path, capsys):
 # Deltas and compaction.
 
 
-def _touch(model, layout, tracker, rng):
-  """Changes 5 random rows of every table and slot; records them in `tracker`."""
-  for name, table in model.logical.items():
-    rows = rng.choice(table.shape[0], size=5, replace=False)
-    table[rows] += rng.standard_normal((5, table.shape[1])).astype(table.dtype)
-    for slot in model.slots[name].values():
-      slot[rows] += rng.random((5, slot.shape[1])).astype(slot.dtype)
-    tracker.add(layout.stack_of_table(name).name, logical_to_global_rows(layout, name, rows))
-
-
 def _chain(root, model, layout, steps, **save):
   """Saves steps 0..steps-1 with an incremental manager (0 full, then deltas)."""
   rng = np.random.default_rng(7)
@@ -356,7 +345,7 @@ def _chain(root, model, layout, steps, **save):
   with ck.CheckpointManager(root, keep_latest=10, incremental=ck.IncrementalPolicy()) as mngr:
     for step in range(steps):
       if step:
-        _touch(model, layout, tracker, rng)
+        touch_rows(model, layout, tracker, rng, 0.1)
       tables, slots = model.state(layout)
       assert mngr.save(step, ck.EmbeddingSave(tables, slots, layout, **save),
                        updated_rows=tracker, force=True)
@@ -401,7 +390,7 @@ def test_a_chain_on_a_legacy_base_takes_the_record_of_its_deltas(tmp_path):
     for step, save in enumerate([{"slot_specs": model.slot_specs(layout)},
                                  {"optimizers": model.optimizers(layout)}]):
       if step:
-        _touch(model, layout, tracker, rng)
+        touch_rows(model, layout, tracker, rng, 0.1)
       tables, slots = model.state(layout)
       mngr.save(step, ck.EmbeddingSave(tables, slots, layout, **save),
                 updated_rows=tracker, force=True)
