@@ -289,6 +289,23 @@ class StepEnd:
         self.save(state)
     return state
 
+  def final(self, state: LoopState, interrupted: bool) -> None:
+    """What follows the last update: the final evaluation and the final save.
+
+    The evaluation runs unless the fit was interrupted or the last step
+    evaluated already; as at a save_every step, an evaluation that raises
+    does not cost the save.
+    """
+    step = int(state.train.step)
+    evaluated = bool(self.history.evaluations) and self.history.evaluations[-1][0] == step
+    try:
+      if not interrupted and self.evaluate is not None and not evaluated:
+        self.evaluation(step)
+    finally:
+      if self.save is not None:
+        self.save(state)
+    self.wait_for_saves()
+
   def evaluation(self, step: int) -> None:
     """Evaluates the current state and records the metrics at `step`."""
     metrics = self.evaluate()

@@ -35,6 +35,7 @@ from pipelining._fit_loop import (
     pipelined_steps,
     sync_steps,
 )
+from pipelining._fit_stream import FitStream
 from pipelining._in_flight import (
     FeatureInFlight,
     SavedInFlight,
@@ -443,124 +444,49 @@ class Trainer:
         Also eval_every with a one-shot iterator as eval_data.
       TypeError: a batch that is not a dict.
     """
-    num_steps, epochs, eval_every = (python_scalar(v) for v in (num_steps, epochs, eval_every))
-    check_count("num_steps", num_steps, minimum=0, optional=True)
-    check_count("eval_every", eval_every, minimum=1, optional=True)
-    if eval_every is not None and eval_data is None:
-      raise ValueError("eval_every needs eval_data.")
-    if eval_every is not None and isinstance(eval_data, Iterator):
-      # The second evaluation would find it exhausted, in the middle of fit.
-      raise ValueError(
-          f"eval_every={eval_every} evaluates eval_data several times, which needs a"
-          f" re-iterable (a list, or a dataset whose __iter__ starts over); got a one-shot"
-          f" {type(eval_data).__name__}. Pass list(eval_data) or the dataset itself."
-      )
+    num_steps, epochs, eval_every = _fit_arguments(num_steps, epochs, eval_data, eval_every)
     history = History()
     dropped_before = self._dropped_ids
     self._stop.clear()
     self._stop_requested.clear()
-    prefetcher, continued = self._fit_data.open(
-        train_data, epochs, can_continue=self._loop is not None and self._resume_step() is None,
-        position=self._data_position)
-    data_ended = False
-    # The newest batch taken from the stream, and the loop's data position
-    # then: the loop replaces that position when it takes the batch.
-    last_taken: Prepared | None = None
-    position_before: Mapping[str, Any] | None = None
-
-    def next_batch() -> Prepared | None:
-      nonlocal data_ended, last_taken, position_before
-      prepared = self._next(prefetcher)
-      data_ended = data_ended or prepared is None
-      if prepared is not None:
-        last_taken, position_before = prepared, None if self._loop is None else self._loop.data
-      return prepared
-
-    def unapplied() -> tuple[Prepared, ...]:
-      """The newest batch taken, unless the loop applied it or holds it in flight.
-
-      Only that batch can be untaken: the first of a fit that trained
-      nothing, one that arrived after a stop was requested.
-      """
-      untaken = last_taken is not None and self._loop.data is position_before
-      return (last_taken,) if untaken else ()
-
+    stream = FitStream(
+        self._fit_data, train_data, epochs,
+        can_continue=self._loop is not None and self._resume_step() is None,
+        position=self._data_position, take=self._next, ends=self._data_ended,
+        loop_data=lambda: None if self._loop is None else self._loop.data)
     previous_handlers = install_stop_handlers(self._stop_requested)
     progress = None
-    started = handed_on = False  # the loop state is this fit's; what it hands on is kept
     try:
-      first = next_batch()
+      first = stream.next_batch()
       if not self._start(first, train_data, history):
         history.final_step = 0 if self.state is None else int(self.state.step)
         return history
-      started = True
-      last_taken, position_before = first, self._loop.data  # as restored by `_start`
-      check_agreement("fit arguments", {
-          "num_steps": num_steps, "epochs": epochs, "eval_every": eval_every,
-          "eval_data": eval_data is not None, "step": int(self.state.step),
-          "in_flight": self._loop.in_flight is not None, "resumed_from": history.resumed_from,
-          "continues the data stream of the last fit": continued,
-      }, hint=_SAME_STEPS)
-      if num_steps is not None and int(self.state.step) > num_steps:
-        _LOG.warning(
-            "fit(num_steps=%d) trains nothing: the state is already at step %d%s. num_steps"
-            " counts every update, resumed ones included; pass a larger total.",
-            num_steps, int(self.state.step),
-            "" if history.resumed_from is None else f" (resumed from checkpoint step"
-            f" {history.resumed_from})")
-      progress = self._progress(num_steps)
-      progress.start(int(self.state.step), resumed_from=history.resumed_from, setup=describe_run(
-          self.plan, backend=self.backend, pipelining=self.config.pipelining,
-          batch_size=self._batch_size()))
+      stream.start(first)
+      self._check_start(num_steps, epochs, eval_data, eval_every, history, stream.continued)
+      progress = self._progress(num_steps, history.resumed_from)
       for callback in callbacks:
         callback.on_fit_start(self, int(self.state.step))
       end = self._step_end(history, progress, callbacks, eval_data, eval_every)
-      schedule = Schedule(self._steps, next_batch, self._stopping, self._stop.is_set,
+      schedule = Schedule(self._steps, stream.next_batch, self._stopping, self._stop.is_set,
                           num_steps)
       steps = pipelined_steps if self.config.pipelining else sync_steps
       for result in steps(schedule, self._loop, first):
         self._loop = result.state
         end(result)
-      step = int(self.state.step)
       history.interrupted = self._stopping()
-      check_agreement("end of fit", {"step": step, "interrupted": history.interrupted},
-                      hint=_SAME_STEPS)
-      if not (data_ended or history.interrupted or self.config.pipelining or unapplied()):
-        # Stopped at num_steps without looking past the last batch, where a
-        # pipelined fit takes the next one (its lookup): a fit ending with
-        # the data sees the end in both modes (the next fit starts anew).
-        # The next batch is not taken: an error in it is the next fit's.
-        data_ended = self._data_ended(prefetcher)
-      handed_on = True
-      self._fit_data.hand_on(train_data, epochs, prefetcher, unapplied(),
-                             interrupted=history.interrupted, data_ended=data_ended)
-      evaluated = bool(history.evaluations) and history.evaluations[-1][0] == step
-      try:
-        if not history.interrupted and eval_data is not None and not evaluated:
-          end.evaluation(step)
-      finally:
-        # As at a save_every step (`StepEnd`): an evaluation that raises does
-        # not cost the save due.
-        self._save(self._loop, callbacks)
-      self._wait_for_saves()
-      history.final_step = step
+      check_agreement("end of fit", {"step": int(self.state.step),
+                                     "interrupted": history.interrupted}, hint=_SAME_STEPS)
+      stream.hand_on(interrupted=history.interrupted, pipelined=self.config.pipelining)
+      end.final(self._loop, history.interrupted)
+      history.final_step = int(self.state.step)
       return history
     except BaseException as error:
-      if started and not handed_on:
-        # The loop state holds the batches taken so far: the next fit goes on
-        # after them. A broken stream, or an abort (a second Ctrl-C), is not
-        # carried, nor is any stream with several processes (they no longer agree).
-        keep = (isinstance(error, Exception) and not prefetcher.failed
-                and jax.process_count() == 1)
-        self._fit_data.hand_on(train_data, epochs, prefetcher, unapplied(), interrupted=True,
-                               data_ended=data_ended, keep_stream=keep)
+      stream.hand_on_after_error(error)
       self._finish_saves_after_error()
       raise
     finally:
       try:
-        # Waits (boundedly) for the prefetch thread, which may be stuck in the
-        # user's iterator: a second Ctrl-C may interrupt it (_signals).
-        prefetcher.close()
+        stream.close()
         history.dropped_ids = self._dropped_ids - dropped_before
         if progress is not None:
           progress.close()
@@ -584,14 +510,38 @@ class Trainer:
     self._restore(example, history)
     return True
 
-  def _progress(self, num_steps: int | None) -> Progress:
+  def _check_start(self, num_steps: int | None, epochs: int | None,
+                   eval_data: Iterable[Any] | None, eval_every: int | None, history: History,
+                   continued: bool) -> None:
+    """The processes agree on fit's arguments and start; a num_steps already passed warns."""
+    step = int(self.state.step)
+    check_agreement("fit arguments", {
+        "num_steps": num_steps, "epochs": epochs, "eval_every": eval_every,
+        "eval_data": eval_data is not None, "step": step,
+        "in_flight": self._loop.in_flight is not None, "resumed_from": history.resumed_from,
+        "continues the data stream of the last fit": continued,
+    }, hint=_SAME_STEPS)
+    if num_steps is not None and step > num_steps:
+      _LOG.warning(
+          "fit(num_steps=%d) trains nothing: the state is already at step %d%s. num_steps"
+          " counts every update, resumed ones included; pass a larger total.",
+          num_steps, step,
+          "" if history.resumed_from is None else f" (resumed from checkpoint step"
+          f" {history.resumed_from})")
+
+  def _progress(self, num_steps: int | None, resumed_from: int | None) -> Progress:
+    """The started progress report (process 0 reports)."""
     reporting = jax.process_index() == 0
-    return Progress(
+    progress = Progress(
         total_steps=num_steps, mode=self.config.progress if reporting else "off",
         log_every=self.config.log_every,
         metrics_path=self._metrics_path() if reporting else None,
         batch_size=self._batch_size(),
     )
+    progress.start(int(self.state.step), resumed_from=resumed_from, setup=describe_run(
+        self.plan, backend=self.backend, pipelining=self.config.pipelining,
+        batch_size=self._batch_size()))
+    return progress
 
   def _step_end(self, history: History, progress: Progress, callbacks: Sequence[Callback],
                 eval_data: Iterable[Any] | None, eval_every: int | None) -> StepEnd:
@@ -804,6 +754,24 @@ class Trainer:
 
   def _batch_size(self) -> int:
     return max(f.batch_size for f in self.plan.feature_specs)
+
+
+def _fit_arguments(num_steps: int | None, epochs: int | None, eval_data: Iterable[Any] | None,
+                   eval_every: int | None) -> tuple[int | None, int | None, int | None]:
+  """fit's num_steps, epochs and eval_every as Python ints (or None), checked."""
+  num_steps, epochs, eval_every = (python_scalar(v) for v in (num_steps, epochs, eval_every))
+  check_count("num_steps", num_steps, minimum=0, optional=True)
+  check_count("eval_every", eval_every, minimum=1, optional=True)
+  if eval_every is not None and eval_data is None:
+    raise ValueError("eval_every needs eval_data.")
+  if eval_every is not None and isinstance(eval_data, Iterator):
+    # The second evaluation would find it exhausted, in the middle of fit.
+    raise ValueError(
+        f"eval_every={eval_every} evaluates eval_data several times, which needs a"
+        f" re-iterable (a list, or a dataset whose __iter__ starts over); got a one-shot"
+        f" {type(eval_data).__name__}. Pass list(eval_data) or the dataset itself."
+    )
+  return num_steps, epochs, eval_every
 
 
 def _warn_data_ended_elsewhere() -> None:

@@ -1,0 +1,113 @@
+"""One fit's data stream: the batches the fit takes, and what it hands on at its end.
+
+`FitData` opens the stream and keeps, across fits, what a fit that stopped
+hands on. `FitStream` is the fit's side: it hands the loop its batches and
+records what the end of the fit needs to know:
+- whether the data ended (of any process);
+- the newest batch taken, with the loop's data position at that moment:
+  the loop replaces that position when it takes the batch (applies it, or
+  holds it in flight), so an unchanged position means the batch is still
+  unapplied: the first batch of a fit that trained nothing, or one that
+  arrived after a stop was requested;
+- whether the loop state is this fit's (the loop started), and whether the
+  fit has handed on already.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import jax
+
+from pipelining._fit_data import FitData
+from pipelining._prefetch import Prefetcher, Prepared
+
+
+class FitStream:
+  """The batches of one fit, and its hand-on to the next fit (`FitData.hand_on`).
+
+  Args:
+    fit_data: the Trainer's data across fits; it opens the stream.
+    train_data, epochs: fit's.
+    can_continue, position: as `FitData.open`.
+    take: (prefetcher) -> the next batch, or None when the data of any
+      process ended.
+    ends: (prefetcher) -> whether the data of any process ends here; the
+      next batch stays in the prefetcher.
+    loop_data: the data position of the Trainer's loop state now (None
+      before it has a state).
+  """
+
+  def __init__(self, fit_data: FitData, train_data: Iterable[Any], epochs: int | None, *,
+               can_continue: bool, position: Callable[[bool], dict[str, Any]],
+               take: Callable[[Prefetcher], Prepared | None],
+               ends: Callable[[Prefetcher], bool],
+               loop_data: Callable[[], Mapping[str, Any] | None]):
+    self._fit_data, self._train_data, self._epochs = fit_data, train_data, epochs
+    self._take, self._ends, self._loop_data = take, ends, loop_data
+    self._prefetcher, self.continued = fit_data.open(
+        train_data, epochs, can_continue=can_continue, position=position)
+    self._data_ended = False
+    self._last_taken: Prepared | None = None
+    self._position_before: Mapping[str, Any] | None = None
+    self._started = self._handed_on = False
+
+  def next_batch(self) -> Prepared | None:
+    """The next batch, or None when the data of any process ended."""
+    prepared = self._take(self._prefetcher)
+    self._data_ended = self._data_ended or prepared is None
+    if prepared is not None:
+      self._last_taken, self._position_before = prepared, self._loop_data()
+    return prepared
+
+  def start(self, first: Prepared | None) -> None:
+    """The loop starts from the Trainer's loop state (as a restore left it) with `first`."""
+    self._started = True
+    self._last_taken, self._position_before = first, self._loop_data()
+
+  def _unapplied(self) -> tuple[Prepared, ...]:
+    """The newest batch taken, unless the loop applied it or holds it in flight."""
+    untaken = self._last_taken is not None and self._loop_data() is self._position_before
+    return (self._last_taken,) if untaken else ()
+
+  def hand_on(self, *, interrupted: bool, pipelined: bool) -> None:
+    """Hands on what the next fit continues from, after the loop ended normally.
+
+    Args:
+      interrupted: the loop stopped on request.
+      pipelined: the loop took the batch after its last update (for its
+        lookup), so it met the end of the data if the data ended there.
+    """
+    if not (self._data_ended or interrupted or pipelined or self._unapplied()):
+      # Stopped at num_steps without looking past the last batch, where a
+      # pipelined fit takes the next one (its lookup): a fit ending with
+      # the data sees the end in both modes (the next fit starts anew).
+      # The next batch is not taken: an error in it is the next fit's.
+      self._data_ended = self._ends(self._prefetcher)
+    self._handed_on = True
+    self._fit_data.hand_on(self._train_data, self._epochs, self._prefetcher, self._unapplied(),
+                           interrupted=interrupted, data_ended=self._data_ended)
+
+  def hand_on_after_error(self, error: BaseException) -> None:
+    """Hands on what the next fit continues from, after `error` ended the fit.
+
+    Once the loop started, the loop state holds the batches taken so far:
+    the next fit goes on after them. A broken stream, or an abort (a second
+    Ctrl-C), is not carried, nor is any stream with several processes (they
+    no longer agree). Nothing is handed on before the loop started, or
+    again after `hand_on`.
+    """
+    if not self._started or self._handed_on:
+      return
+    keep = (isinstance(error, Exception) and not self._prefetcher.failed
+            and jax.process_count() == 1)
+    self._fit_data.hand_on(self._train_data, self._epochs, self._prefetcher, self._unapplied(),
+                           interrupted=True, data_ended=self._data_ended, keep_stream=keep)
+
+  def close(self) -> None:
+    """Stops the prefetch thread, waiting boundedly: it may be stuck in the user's iterator.
+
+    A second Ctrl-C may interrupt the wait (`pipelining._signals`).
+    """
+    self._prefetcher.close()
