@@ -76,7 +76,7 @@ class TrainerConfig:
       raising on a NaN or infinite loss. Its data position is past the
       offending batch, which the checkpoint records as skipped: a resume
       continues with the next batch and reports the skip (a warning and
-      `History.skipped_batches`).
+      `History.skipped_batches`), as the same Trainer's next fit does.
     incremental: a `checkpoint.IncrementalPolicy` makes periodic saves
       deltas (only the rows updated since the previous save, tracked from
       the preprocessed batches) when the policy says so; None (default):

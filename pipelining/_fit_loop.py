@@ -52,13 +52,17 @@ class NonFiniteLossError(FloatingPointError):
       batch, recording it as skipped (a resume continues after it). False
       when a checkpoint of that step existed already (written before the
       batch, `save_every`): a resume from it meets the batch again.
+    skipped: the batch's record as skipped ("batch", "step", "loss"), as
+      `History.skipped_batches` lists it. The Trainer's state is past the
+      batch and records it so: its next fit continues after the batch.
   """
 
   def __init__(self, message: str, *, step: int, batch_index: int, saved_step: int | None,
-               recorded_as_skipped: bool):
+               recorded_as_skipped: bool, skipped: dict[str, Any]):
     super().__init__(message)
     self.step, self.batch_index, self.saved_step = step, batch_index, saved_step
     self.recorded_as_skipped = recorded_as_skipped
+    self.skipped = skipped
 
 
 @dataclasses.dataclass
@@ -76,9 +80,10 @@ class History:
       batches prepared during fit: training batches (prefetched ones
       included) and those of evaluations during fit.
     skipped_batches: the batches of the data stream not applied because
-      their loss was not finite, as recorded in the resumed checkpoint
-      (`save_on_nonfinite`): dicts with "batch" (0-based stream position),
-      "step" and "loss".
+      their loss was not finite, as recorded in the state fit started from:
+      a resumed checkpoint (`save_on_nonfinite`), or the state this Trainer
+      kept (after a `NonFiniteLossError`, say): dicts with "batch" (0-based
+      stream position), "step" and "loss".
   """
 
   steps: list[int] = dataclasses.field(default_factory=list)
@@ -215,6 +220,15 @@ def pipelined_steps(schedule: Schedule, state: LoopState,
       break
 
 
+def with_skip(state: LoopState, skipped: Mapping[str, Any]) -> LoopState:
+  """`state` with a batch recorded as skipped in its data position.
+
+  `skipped` is the batch's record (`NonFiniteLossError.skipped`); the record
+  stays in every later position (`_advanced`).
+  """
+  return state._replace(data={**state.data, "skipped": [*state.data.get("skipped", []), skipped]})
+
+
 def _advanced(data: Mapping[str, Any], prepared: Prepared) -> dict[str, Any]:
   """The data position after `prepared`, keeping the record of skipped batches."""
   return {**prepared.position, "skipped": list(data.get("skipped", []))}
@@ -254,7 +268,7 @@ class StepEnd:
   save_on_nonfinite: bool
 
   def __call__(self, result: StepResult) -> LoopState:
-    """Handles one update; returns the state to keep (with any skip recorded).
+    """Handles one update; returns its state.
 
     A checkpoint due at this step is started even when a callback or the
     evaluation raises (the exception then propagates).
@@ -316,11 +330,10 @@ class StepEnd:
 
   def _raise_nonfinite(self, state: LoopState, step: int, batch_index: int,
                        host: dict[str, float]) -> None:
+    skipped = {"batch": batch_index, "step": step + 1, "loss": str(host["loss"])}
     recorded = False
     if self.save_on_nonfinite and self.save is not None:
-      skipped = {"batch": batch_index, "step": step + 1, "loss": str(host["loss"])}
-      recorded = self.save(state._replace(
-          data={**state.data, "skipped": [*state.data.get("skipped", []), skipped]}))
+      recorded = self.save(with_skip(state, skipped))
       self.wait_for_saves()
     where = ""
     if recorded:
@@ -337,5 +350,5 @@ class StepEnd:
         " check the inputs of this batch, or add gradient clipping." + where,
         step=step + 1, batch_index=batch_index,
         saved_step=step if self.save_on_nonfinite and self.save is not None else None,
-        recorded_as_skipped=recorded,
+        recorded_as_skipped=recorded, skipped=skipped,
     )

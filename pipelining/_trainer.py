@@ -30,10 +30,12 @@ from pipelining._fit_data import FitData
 from pipelining._fit_loop import (
     History,
     LoopState,
+    NonFiniteLossError,
     Schedule,
     StepEnd,
     pipelined_steps,
     sync_steps,
+    with_skip,
 )
 from pipelining._fit_stream import FitStream
 from pipelining._in_flight import (
@@ -341,12 +343,6 @@ class Trainer:
     self._loop = LoopState(train, in_flight, ids, own_position(data))
     self._state_only_from = None
     history.resumed_from = step
-    history.skipped_batches = list(data.get("skipped", []))
-    if history.skipped_batches:
-      _LOG.warning(
-          "checkpoint step %d records batches of the data stream that were not applied because"
-          " their loss was not finite: %s. Training continues after them.",
-          step, history.skipped_batches)
 
   def initialize(self, example_batch: Any) -> TrainState:
     """Creates the state (tables, dense parameters, optimizer state) now.
@@ -436,6 +432,8 @@ class Trainer:
         applied; the error names its position in the data stream). With
         save_on_nonfinite the last finite state is saved first, the batch
         recorded there as skipped (see `TrainerConfig.save_on_nonfinite`).
+        This Trainer's next fit continues after the batch and lists it in
+        `History.skipped_batches`, as a resume of that checkpoint does.
       ValueError: a batch lacks "sparse" or "labels", a dense feature or
         label has a leading dimension other than the batch size, the dense
         features or labels differ in structure, shape or dtype from the first
@@ -462,6 +460,7 @@ class Trainer:
         history.final_step = 0 if self.state is None else int(self.state.step)
         return history
       stream.start(first)
+      self._report_skipped(history)
       self._check_start(num_steps, epochs, eval_data, eval_every, history, stream.continued)
       progress = self._progress(num_steps, history.resumed_from)
       for callback in callbacks:
@@ -482,6 +481,11 @@ class Trainer:
       return history
     except BaseException as error:
       stream.hand_on_after_error(error)
+      if isinstance(error, NonFiniteLossError):
+        # The loop state is past the batch: it records the batch as skipped, as
+        # the save_on_nonfinite checkpoint does. Only after the hand-on, which
+        # tells an unapplied batch by the identity of the loop's data position.
+        self._loop = with_skip(self._loop, error.skipped)
       self._finish_saves_after_error()
       raise
     finally:
@@ -509,6 +513,16 @@ class Trainer:
     check_labels_fit_predictions(self._prediction_shapes, example.labels)
     self._restore(example, history)
     return True
+
+  def _report_skipped(self, history: History) -> None:
+    """The batches the state fit starts from records as skipped (`History.skipped_batches`)."""
+    history.skipped_batches = list(self._loop.data.get("skipped", []))
+    if history.skipped_batches:
+      _LOG.warning(
+          "%s records batches of the data stream that were not applied because their loss was"
+          " not finite: %s. Training continues after them.",
+          "this Trainer's state" if history.resumed_from is None
+          else f"checkpoint step {history.resumed_from}", history.skipped_batches)
 
   def _check_start(self, num_steps: int | None, epochs: int | None,
                    eval_data: Iterable[Any] | None, eval_every: int | None, history: History,

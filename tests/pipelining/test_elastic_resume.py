@@ -198,6 +198,33 @@ def test_a_nonfinite_batch_is_recorded_as_skipped(tmp_path, pipelining, caplog):
     assert_states(logical_state(resumed), logical_state(reference), same_layout=True)
 
 
+@pytest.mark.parametrize("pipelining", [True, False])
+def test_the_trainer_that_raised_reports_the_skipped_batch_as_a_resume_does(tmp_path, pipelining,
+                                                                           caplog):
+  """After a NonFiniteLossError the same Trainer's next fit goes on past the batch, as a new
+  Trainer resuming the save_on_nonfinite checkpoint does: it lists the batch in
+  `skipped_batches`, warns, and its later checkpoints keep the record."""
+  batches = make_batches(NUM_BATCHES, seed=94)
+  batches[2]["labels"][0] = np.nan
+  trainer = make_trainer(tmp_path / "run", pipelining, devices=2, save_on_nonfinite=True)
+  with pytest.raises(NonFiniteLossError, match="batch 2 of the data stream") as info:
+    trainer.fit(batches)
+  shutil.copytree(tmp_path / "run", tmp_path / "copy")
+  with caplog.at_level(logging.WARNING, logger="pipelining"):
+    continued = trainer.fit(batches)
+  assert any("not applied because their loss was not finite" in r.message for r in caplog.records)
+  resumed = make_trainer(tmp_path / "copy", pipelining, devices=2)
+  history = resumed.fit(batches)
+  assert continued.resumed_from is None and history.resumed_from == 2
+  assert continued.final_step == history.final_step == NUM_BATCHES - 1
+  assert [skip["batch"] for skip in history.skipped_batches] == [2]
+  assert continued.skipped_batches == history.skipped_batches == [info.value.skipped]
+  final = NUM_BATCHES - 1
+  assert (trainer._checkpoints.read_data_state(final)["skipped"]
+          == resumed._checkpoints.read_data_state(final)["skipped"])
+  assert_states(logical_state(trainer), logical_state(resumed), same_layout=True)
+
+
 def test_a_checkpoint_written_before_a_nonfinite_batch_meets_it_again(tmp_path):
   """With save_every=1 the step exists already: the error says a resume meets the batch."""
   batches = make_batches(4, seed=93)
