@@ -230,8 +230,9 @@ def preprocess(
       over weights summing to 0, weights that float32 cannot hold or so large
       that a gain overflows float32, or (without dropping) a partition overflow;
       each message names the feature or stack, the value and a fix.
-    TypeError: ids that are not integers, a malformed input, or an
-      allow_id_dropping that is not a bool.
+    TypeError: ids that are not integers, a malformed input (a numpy masked
+      array included: its mask would be dropped), or an allow_id_dropping that
+      is not a bool.
 
   Example:
     layout = auto_stack_tables(features, num_devices=jax.device_count())
