@@ -262,7 +262,7 @@ def preprocess(
         sequence_samples=work.sequence_samples(),
     )
     batches[work.stack.name] = batch._replace(signature=work.signature)
-  return batches, PreprocessStats(stats)
+  return batches, PreprocessStats(stats, layout)
 
 
 def batch_stats(
@@ -283,7 +283,7 @@ def batch_stats(
       work.stack.name: partition_stats(work.stack, work.keys, num_devices=len(work.devices),
                                        capacity=work.capacity)
       for work in _stacks(features, feature_specs, layout, padding_id, capacities, devices)
-  })
+  }, layout)
 
 
 def collect_stats(
@@ -297,13 +297,14 @@ def collect_stats(
 
   Example:
     stats = collect_stats(itertools.islice(dataset, 20), features, layout)
-    features = size_limits_from_stats(features, stats, headroom=1.2)
+    features = size_limits_from_stats(features, stats, layout=layout, headroom=1.2)
   """
   if isinstance(batches, Mapping):
     raise TypeError(
         "collect_stats takes an iterable of batches, got a mapping (one batch?). Pass a list"
         " of batches, e.g. collect_stats([batch], ...), or an iterator over a dataset."
     )
-  return merge_stats(
+  stats = merge_stats(
       batch_stats(batch, feature_specs, layout, padding_id=padding_id) for batch in batches
   )
+  return stats if stats.stacks else PreprocessStats({}, layout)
