@@ -43,7 +43,10 @@ copies per source chunk (`CheckpointReader.fill_strided_rows`), with no
 per-row index arrays.
 
 Slots follow their tables, with the optimizer recorded as owning them
-(`_optimizers`; tables of different optimizers cannot share a target stack).
+(`_optimizers`). Tables of different optimizers cannot share a target stack,
+nor can a table whose optimizer is recorded share one with a table whose
+optimizer is not: the stack would lose the record, or claim the other table's
+slots for that optimizer unchecked (see `convert`).
 A conversion A -> B -> A reproduces every logical row and slot bit for bit;
 padding rows and columns are 0 (tables) or the slot's initial value (slots).
 """
@@ -63,12 +66,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from checkpoint import _direct, _integrity, _save, _storage
+from checkpoint import _direct, _integrity, _optimizers, _save, _storage
 from checkpoint._direct import ChunkCache
 from checkpoint._format import MANIFEST_FILE, Manifest, array_dir, numpy_dtype
 from checkpoint._assembly import assemble_stacked, build_block
 from checkpoint._chain import open_reader
-from checkpoint._errors import IncompatibleCheckpointError
+from checkpoint._errors import IncompatibleCheckpointError, SlotMismatchError
 from checkpoint._reader import find_item
 from checkpoint._source import verify_source
 from checkpoint._storage import StorageOptions, host_buffer
@@ -153,6 +156,15 @@ def convert(
   Raises:
     NotACheckpointError, MissingTableError, IncompatibleCheckpointError,
     SlotMismatchError, CorruptCheckpointError: as for restore.
+    SlotMismatchError: a target stack puts together tables whose slots the
+      checkpoint records for different optimizers, or a table whose optimizer
+      it records with one whose optimizer it does not (older checkpoints, or
+      stacks saved with slot_specs alone): the stack's one record would be
+      lost or claim slots of an optimizer unknown. Slot names and widths do
+      not tell (Adam's and LaProp's look alike), so the converter does not
+      guess. Stack such tables apart, or restore the checkpoint into the new
+      layout with the optimizer trained (EmbeddingRestore(..., optimizers=)),
+      which checks the recorded tables; its next save records every table.
     NotACheckpointError: `src` is (or lies in) a step without an integrity
       manifest.
     CorruptCheckpointError: a file of the source fails its step's manifest
@@ -348,6 +360,25 @@ def _cast_block(writer, data: np.ndarray, dtype: np.dtype) -> np.ndarray:
   cast = writer.buffer(data.shape, dtype)
   cast[...] = data.astype(dtype)
   return cast
+
+
+def _check_one_record(reader, stack) -> None:
+  """Raises if `stack` mixes tables with and without a recorded optimizer (see `convert`)."""
+  names = {table: reader.optimizer_name(table) for table in stack.table_names}
+  mixed = _optimizers.unrecorded_beside(names)
+  if mixed is None:
+    return
+  (recorded, optimizer), unrecorded = mixed
+  raise SlotMismatchError(
+      f"stack {stack.name!r} puts tables {recorded!r} and {unrecorded!r} together, but the"
+      f" checkpoint {reader.item} records the optimizer of table {recorded!r}'s slots"
+      f" ({optimizer!r}) and not that of table {unrecorded!r}'s. The stack has one record:"
+      f" dropping it would stop checking {recorded!r}'s slots, keeping it would claim"
+      f" {unrecorded!r}'s slots for {optimizer!r} unchecked (slots of the same names and"
+      " widths may be another optimizer's). Stack them apart, or restore the checkpoint into"
+      " this layout with the optimizer you train with (EmbeddingRestore(...,"
+      " optimizers=...)); its next save records the optimizer of every table."
+  )
 
 
 def _check_every_table_placed(reader, target: EmbeddingLayout) -> None:
@@ -601,6 +632,8 @@ def _write_stacked(
     reader, out, layout, storage, block_bytes, cache_limit, progress, table_dtype=None
 ) -> None:
   assemblies = assemble_stacked(reader, layout)
+  for assembly in assemblies.values():
+    _check_one_record(reader, assembly.stack)
   dtypes = {}
   for name, assembly in assemblies.items():
     dtypes[(name, None)] = assembly.dtype if table_dtype is None else table_dtype

@@ -101,3 +101,16 @@ def conflict(names: Mapping[str, str | None]) -> tuple[tuple[str, str], tuple[st
     if name != known[0][1]:
       return known[0], (table, name)
   return None
+
+
+def unrecorded_beside(names: Mapping[str, str | None]) -> tuple[tuple[str, str], str] | None:
+  """A (table, name) pair with a known name and a table without one, or None.
+
+  Tables in both sets cannot be merged into one stack with a faithful record:
+  dropping the name loses the check of the known table's slots, keeping it
+  claims the other table's slots for an optimizer that may not have written
+  them (`_convert.convert` refuses such a stack).
+  """
+  known = next(((table, name) for table, name in names.items() if name is not None), None)
+  unknown = next((table for table, name in names.items() if name is None), None)
+  return None if known is None or unknown is None else (known, unknown)

@@ -374,7 +374,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   full = SyntheticCriteo(args.batch_size, seed=args.seed, vocab_scale=args.vocab_scale)
   sample = [full.batch(i)["sparse"] for i in range(4)]
   specs = list(size_limits_from_stats(
-      specs, collect_stats(sample, specs, layout, padding_id=-1), headroom=1.3))
+      specs, collect_stats(sample, specs, layout, padding_id=-1), layout=layout, headroom=1.3))
 
   workdir = args.workdir or None
   trainer = Trainer(

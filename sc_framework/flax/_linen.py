@@ -61,7 +61,8 @@ class LinenSparseEmbed(nn.Module):
     feature_specs: the features looked up (and, through them, the tables).
     mesh: the device mesh; default all devices on one axis.
     axis_name: the mesh axis holding table rows and batch samples.
-    shards_per_device: S, table shards per device.
+    shards_per_device: S, table shards per device; default 1, or the layout's S
+      (a different value is refused).
     layout: an explicit stacked layout; default automatic stacking.
     param_dtype: dtype of the tables (slots are float32).
     backend: the primitives backend, "auto" by default.
@@ -75,7 +76,7 @@ class LinenSparseEmbed(nn.Module):
   feature_specs: Sequence[FeatureSpec]
   mesh: Mesh | None = None
   axis_name: str = DEFAULT_AXIS_NAME
-  shards_per_device: int = 1
+  shards_per_device: int | None = None
   layout: EmbeddingLayout | None = None
   param_dtype: Any = jnp.float32
   backend: str = "auto"

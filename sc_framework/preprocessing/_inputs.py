@@ -7,7 +7,9 @@ Every form is turned into `FlatIds`, the CSR form of the batch: for B samples,
   weights      [nnz]    float32 weight of each id, or None (every weight 1)
 
 with the padding id (if any) removed and every id checked against the
-table's vocabulary. Accepted forms:
+table's vocabulary. Numpy masked arrays (np.ma.MaskedArray) are refused in
+every place: their masked entries would be read as ids or weights. Accepted
+forms:
 
   * a dense integer array [B, L] (or [B]: one id per sample), optionally
     with a padding id marking unused places; wrap it in `DenseIds` to give
@@ -68,7 +70,7 @@ class RaggedIds:
 
     The lengths are checked with the rest of the batch, by `flatten_input`.
     """
-    lengths = np.asarray(lengths).reshape(-1)
+    lengths = np.asarray(_unmasked(lengths, "RaggedIds.from_lengths", "lengths")).reshape(-1)
     # Integer lengths sum in int64: narrow ones (e.g. int8) would wrap around.
     integer = lengths.size == 0 or np.issubdtype(lengths.dtype, np.integer)
     splits = np.zeros(lengths.size + 1, np.int64 if integer else lengths.dtype)
@@ -135,6 +137,34 @@ FeatureInput = Any
 """One feature's ids: an array, a list of arrays, DenseIds, RaggedRows, RaggedIds or SparseIds."""
 
 
+_MASK_HINTS = {
+    "ids": "drop the masked ids (per sample, row.compressed(): a list of rows or"
+           " RaggedIds.from_lengths), or fill them with a padding id (ids.filled(-1) and"
+           " padding_id=-1)",
+    "weights": "drop the masked entries of the ids and weights together (per sample,"
+               " row.compressed()), or fill them (weights.filled(w)) with the weight they should"
+               " have",
+}
+
+
+def _unmasked(array, owner: str, what: str, sample: int | None = None):
+  """`array` itself, or an error if it is a numpy masked array.
+
+  np.asarray drops a mask without a word, so the masked entries would be read
+  as ids (or weights, lengths, ...). Refused by type, not by content, so a
+  pipeline does not fail only on the batch that first masks an entry.
+  """
+  if isinstance(array, np.ma.MaskedArray):
+    where = f"the {what}" if sample is None else f"sample {sample}'s {what}"
+    hint = _MASK_HINTS.get(what, f"pass the {what} as a plain array")
+    raise TypeError(
+        f"{owner}: {where} are a numpy masked array (np.ma.MaskedArray), whose mask"
+        f" preprocessing does not read: the masked entries would be used as {what}. Pass plain"
+        f" arrays: {hint}."
+    )
+  return array
+
+
 def _row_array(row, b: int, owner: str, what: str) -> np.ndarray:
   """Sample b's entry of a ragged batch as a 1-D array, or an error naming the sample."""
   try:
@@ -172,6 +202,10 @@ def _row_arrays(rows, owner: str, what: str) -> tuple[list[np.ndarray], np.ndarr
         f"{owner}: ragged {what} must be a sequence of per-sample sequences, got"
         f" {type(rows).__name__}."
     )
+  _unmasked(rows, owner, what)
+  if any(issubclass(kind, np.ma.MaskedArray) for kind in set(map(type, rows))):
+    b = next(b for b, row in enumerate(rows) if isinstance(row, np.ma.MaskedArray))
+    _unmasked(rows[b], owner, what, sample=b)
   try:
     arrays = list(map(np.asarray, rows))
     ndims = np.fromiter(map(_NDIM, arrays), np.int64, count=len(arrays))
@@ -248,6 +282,7 @@ def _to_csr(value: FeatureInput, owner: str, padding_id: int | None):
     ids, weights = value.ids, value.weights
   else:
     ids, weights = value, None
+  _unmasked(ids, owner, "ids")
   if isinstance(ids, (list, tuple)) or (isinstance(ids, np.ndarray) and ids.dtype == object):
     return _check_ragged(_ragged_from_rows(ids, weights, owner=owner), owner)
   ids = np.asarray(ids)
@@ -279,6 +314,7 @@ def _to_csr(value: FeatureInput, owner: str, padding_id: int | None):
 
 
 def _weights_array(weights, owner: str, what: str, shape: tuple[int, ...]) -> np.ndarray:
+  _unmasked(weights, owner, "weights")
   try:
     return np.asarray(weights)
   except ValueError as error:  # e.g. per-sample lists of different lengths
@@ -324,8 +360,8 @@ def _check_int(array: np.ndarray, owner: str, what: str) -> None:
 
 
 def _check_ragged(value: RaggedIds, owner: str):
-  values = np.asarray(value.values)
-  splits = np.asarray(value.row_splits)
+  values = np.asarray(_unmasked(value.values, owner, "ids"))
+  splits = np.asarray(_unmasked(value.row_splits, owner, "row_splits"))
   if values.ndim != 1:
     raise ValueError(f"{owner}: ragged values must be 1-D, got shape {values.shape}.")
   if values.size:
@@ -361,8 +397,8 @@ def _coo_sorted(value: SparseIds, owner: str):
     (samples, positions, values, weights, dense_shape); positions are all 0
     for a 1-D dense_shape.
   """
-  indices = np.asarray(value.indices)
-  values = np.asarray(value.values)
+  indices = np.asarray(_unmasked(value.indices, owner, "COO indices"))
+  values = np.asarray(_unmasked(value.values, owner, "ids"))
   shape = tuple(int(d) for d in np.asarray(value.dense_shape).reshape(-1))
   if len(shape) not in (1, 2):
     raise ValueError(f"{owner}: dense_shape must be (B, L), got {shape}.")
@@ -436,7 +472,7 @@ def _positions_of(value: FeatureInput, owner: str):
   if isinstance(value, SparseIds):
     samples, positions, values, weights, shape = _coo_sorted(value, owner)
     return samples, positions, values, weights, shape[0]
-  ids = value.ids if isinstance(value, DenseIds) else value
+  ids = _unmasked(value.ids if isinstance(value, DenseIds) else value, owner, "ids")
   ragged = isinstance(value, (RaggedIds, RaggedRows)) or isinstance(ids, (list, tuple)) or (
       isinstance(ids, np.ndarray) and ids.dtype == object)
   if not ragged and np.ndim(ids) != 2:
@@ -560,7 +596,8 @@ def flatten_input(
     (padding id, past the end of a ragged sample, absent from a COO input).
 
   Raises:
-    TypeError: non-integer ids or padding_id, or a malformed ragged batch.
+    TypeError: non-integer ids or padding_id, a malformed ragged batch, or a
+      numpy masked array anywhere in `value` (its mask would be dropped).
     ValueError: naming the feature, table, sample and value: a batch size that
       differs from the spec, a sample with more ids (padding excluded) than
       the spec's input_shape[1] (for a sequence feature: an id at a position
@@ -578,7 +615,7 @@ def flatten_input(
         f" ({type(padding_id).__name__})."
     )
   if isinstance(value, SparseIds):  # before arrays of dense_shape[0] samples are made
-    declared = np.asarray(value.dense_shape).reshape(-1)
+    declared = np.asarray(_unmasked(value.dense_shape, owner, "dense_shape")).reshape(-1)
     if declared.size and np.issubdtype(declared.dtype, np.integer):
       _check_batch(int(declared[0]), feature, batch_size, owner)
   length = feature.sequence_length

@@ -230,8 +230,9 @@ def preprocess(
       over weights summing to 0, weights that float32 cannot hold or so large
       that a gain overflows float32, or (without dropping) a partition overflow;
       each message names the feature or stack, the value and a fix.
-    TypeError: ids that are not integers, a malformed input, or an
-      allow_id_dropping that is not a bool.
+    TypeError: ids that are not integers, a malformed input (a numpy masked
+      array included: its mask would be dropped), or an allow_id_dropping that
+      is not a bool.
 
   Example:
     layout = auto_stack_tables(features, num_devices=jax.device_count())
@@ -261,7 +262,7 @@ def preprocess(
         sequence_samples=work.sequence_samples(),
     )
     batches[work.stack.name] = batch._replace(signature=work.signature)
-  return batches, PreprocessStats(stats)
+  return batches, PreprocessStats(stats, layout)
 
 
 def batch_stats(
@@ -282,7 +283,7 @@ def batch_stats(
       work.stack.name: partition_stats(work.stack, work.keys, num_devices=len(work.devices),
                                        capacity=work.capacity)
       for work in _stacks(features, feature_specs, layout, padding_id, capacities, devices)
-  })
+  }, layout)
 
 
 def collect_stats(
@@ -296,13 +297,14 @@ def collect_stats(
 
   Example:
     stats = collect_stats(itertools.islice(dataset, 20), features, layout)
-    features = size_limits_from_stats(features, stats, headroom=1.2)
+    features = size_limits_from_stats(features, stats, layout=layout, headroom=1.2)
   """
   if isinstance(batches, Mapping):
     raise TypeError(
         "collect_stats takes an iterable of batches, got a mapping (one batch?). Pass a list"
         " of batches, e.g. collect_stats([batch], ...), or an iterator over a dataset."
     )
-  return merge_stats(
+  stats = merge_stats(
       batch_stats(batch, feature_specs, layout, padding_id=padding_id) for batch in batches
   )
+  return stats if stats.stacks else PreprocessStats({}, layout)

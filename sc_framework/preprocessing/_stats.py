@@ -13,6 +13,11 @@ Every preprocessed batch reports, per stack, the largest partition it saw;
 table limits (feature-distribution-optimized sizing):
 
   limit = ceil(observed maximum * headroom).
+
+The partitions, and so these figures, depend on the layout (G, S, which tables
+share a stack, the tables' and features' sizes): statistics record the layout
+they were collected on, are not merged with statistics of another, and
+`size_limits_from_stats` refuses them for another layout it is given.
 """
 
 from __future__ import annotations
@@ -172,9 +177,17 @@ class StackStats:
 
 @dataclasses.dataclass(frozen=True)
 class PreprocessStats:
-  """Per-stack statistics of one preprocessed batch (or merged batches)."""
+  """Per-stack statistics of one preprocessed batch (or merged batches).
+
+  Attributes:
+    stacks: stack name -> its statistics.
+    layout: the layout the batches were preprocessed with; None where unknown
+      (statistics built by hand, or kept from a version that did not record
+      it: such objects, e.g. unpickled, read as None).
+  """
 
   stacks: Mapping[str, StackStats]
+  layout: EmbeddingLayout | None = None
 
   def __getitem__(self, stack_name: str) -> StackStats:
     return self.stacks[stack_name]
@@ -185,11 +198,47 @@ class PreprocessStats:
     return sum(stats.num_dropped_ids for stats in self.stacks.values())
 
   def merge(self, other: "PreprocessStats") -> "PreprocessStats":
-    """Per stack, `StackStats.merge`; a stack present in one side is kept."""
+    """Per stack, `StackStats.merge`; a stack present in one side is kept.
+
+    The result records the layout both sides record, None if either side
+    with statistics records none.
+
+    Raises:
+      ValueError: the two sides were collected on different layouts, whose
+        per-partition figures do not compare.
+    """
+    if not self.stacks or not other.stacks:
+      layout = other.layout if not self.stacks else self.layout
+    else:
+      difference = _layout_difference(self.layout, other.layout)
+      if difference is not None:
+        raise ValueError(
+            f"cannot merge statistics collected on different layouts ({difference}): the"
+            " per-partition figures of one layout say nothing about another's. Collect the"
+            " statistics of every batch on the layout to be sized."
+        )
+      layout = self.layout if other.layout is not None else None
     merged = dict(self.stacks)
     for name, stats in other.stacks.items():
       merged[name] = merged[name].merge(stats) if name in merged else stats
-    return PreprocessStats(merged)
+    return PreprocessStats(merged, layout)
+
+
+def _layout_difference(first: EmbeddingLayout | None,
+                       second: EmbeddingLayout | None) -> str | None:
+  """How two known layouts differ, in words ('first' vs 'second'); None if equal or unknown."""
+  if first is None or second is None or first == second:
+    return None
+  for what, one, other in (
+      ("G", first.num_devices, second.num_devices),
+      ("S", first.shards_per_device, second.shards_per_device),
+      ("stacks", {stack.name: list(stack.table_names) for stack in first.stacks},
+       {stack.name: list(stack.table_names) for stack in second.stacks}),
+  ):
+    if one != other:
+      return f"{what}={one} vs {what}={other}"
+  return ("the same G, S and stacks, but other table or feature sizes (vocabulary sizes,"
+          " dimensions or batch sizes)")
 
 
 def merge_stats(stats: Iterable[PreprocessStats]) -> PreprocessStats:
@@ -204,6 +253,7 @@ def size_limits_from_stats(
     feature_specs: Sequence[FeatureSpec],
     stats: PreprocessStats | Iterable[PreprocessStats],
     *,
+    layout: EmbeddingLayout | None = None,
     headroom: float = 1.2,
     policy: Literal["raise", "fit"] = "raise",
 ) -> tuple[FeatureSpec, ...]:
@@ -220,10 +270,18 @@ def size_limits_from_stats(
   Tables of stacks absent from `stats` keep their limits. Stacking does not
   depend on the limits, so the layout stays valid.
 
+  The limits hold for the layout the statistics were collected on: another
+  G, S or stacking partitions the ids otherwise. Pass that `layout` to have
+  it checked.
+
   Args:
     feature_specs: the model's features.
     stats: one PreprocessStats or several (merged by taking maxima), e.g.
       from `collect_stats` over a few representative batches.
+    layout: the layout the sized specs will run on; statistics recorded on
+      another are refused. Statistics that record no layout (built by hand or
+      by an older version) are checked by their stacks' names and tables
+      only. None: not checked.
     headroom: factor >= 1 applied to the observed maxima.
     policy: "raise" or "fit" (see above).
 
@@ -231,9 +289,14 @@ def size_limits_from_stats(
     The features, in order, reading new TableSpecs (features that shared a
     table share the new one).
 
+  Raises:
+    ValueError: a headroom or policy out of range; statistics of different
+      layouts (when merged), or of another layout than `layout`.
+    TypeError: a layout that is not an EmbeddingLayout.
+
   Example:
     stats = collect_stats(batches[:20], features, layout, padding_id=-1)
-    features = size_limits_from_stats(features, stats, headroom=1.2)
+    features = size_limits_from_stats(features, stats, layout=layout, headroom=1.2)
   """
   headroom = python_scalar(headroom)
   if (isinstance(headroom, bool) or not isinstance(headroom, (int, float))
@@ -243,6 +306,8 @@ def size_limits_from_stats(
     raise ValueError(f"policy must be 'raise' or 'fit', got {policy!r}.")
   if not isinstance(stats, PreprocessStats):
     stats = merge_stats(stats)
+  if layout is not None:
+    _check_stats_layout(stats, layout)
   needed: dict[str, tuple[int, int]] = {}
   for stack_stats in stats.stacks.values():
     ids = max(1, math.ceil(stack_stats.max_ids_per_partition * headroom))
@@ -265,3 +330,26 @@ def size_limits_from_stats(
       dataclasses.replace(feature, table=new_tables[feature.table.name])
       for feature in feature_specs
   )
+
+
+def _check_stats_layout(stats: PreprocessStats, layout: EmbeddingLayout) -> None:
+  """Raises unless `stats` may have been collected on `layout` (see size_limits_from_stats)."""
+  if not isinstance(layout, EmbeddingLayout):
+    raise TypeError(f"layout must be an EmbeddingLayout or None, got {type(layout).__name__}.")
+  advice = (" Per-partition figures depend on G, S and the stacking: collect the statistics on"
+            " this layout (collect_stats(batches, feature_specs, layout)), or size the layout"
+            " they were collected on.")
+  difference = _layout_difference(stats.layout, layout)
+  if difference is not None:
+    raise ValueError(
+        f"the statistics were collected on another layout than the one to size"
+        f" ({difference}, statistics vs layout).{advice}"
+    )
+  stacks = {stack.name: stack.table_names for stack in layout.stacks}
+  for name, stack_stats in stats.stacks.items():
+    if stacks.get(name) != tuple(stack_stats.tables):
+      held = "no such stack" if name not in stacks else f"tables {list(stacks[name])}"
+      raise ValueError(
+          f"the statistics hold stack {name!r} with tables {list(stack_stats.tables)}, but the"
+          f" layout to size has {held}.{advice}"
+      )

@@ -95,19 +95,39 @@ class EmbeddingPlan:
       *,
       mesh: Mesh | None = None,
       axis_name: str = DEFAULT_AXIS_NAME,
-      shards_per_device: int = 1,
+      shards_per_device: int | None = None,
       layout: EmbeddingLayout | None = None,
   ) -> "EmbeddingPlan":
     """A plan with automatic stacking; by default over all devices in one axis.
 
     The default mesh orders the devices by (process, id)
     (`process_major_devices`), so each process holds a contiguous block.
+
+    Args:
+      feature_specs: the model's features.
+      mesh: the device mesh; default `default_mesh(axis_name)`.
+      axis_name: the mesh axis that holds the tables.
+      shards_per_device: S for the automatic stacking; default 1. With a
+        `layout`, which has its own S, it may be left out or must equal it.
+      layout: an explicit stacked layout; default automatic stacking.
+
+    Raises:
+      ValueError: `shards_per_device` disagrees with the layout's, or the
+        layout does not fit the mesh or the specs.
     """
     if mesh is None:
       mesh = default_mesh(axis_name)
     if layout is None:
       layout = auto_stack_tables(
-          feature_specs, mesh.shape[axis_name], shards_per_device=shards_per_device
+          feature_specs, mesh.shape[axis_name],
+          shards_per_device=1 if shards_per_device is None else shards_per_device,
+      )
+    elif shards_per_device is not None and shards_per_device != layout.shards_per_device:
+      raise ValueError(
+          f"shards_per_device={shards_per_device!r} disagrees with the given layout, which has"
+          f" S={layout.shards_per_device} shards per device. Leave shards_per_device out (the"
+          f" layout's S is used), pass shards_per_device={layout.shards_per_device}, or build"
+          " the layout with the S you want."
       )
     return cls(tuple(feature_specs), layout, mesh, axis_name)
 

@@ -319,6 +319,54 @@ def test_conversion_keeps_the_record(mixed, tmp_path):
   model.check(layout, restored.tables, restored.slots)
 
 
+@pytest.fixture(scope="module")
+def partly(tmp_path_factory):
+  """Tables a, c recorded as Adam's, b, d unrecorded (saved with slot_specs alone), e LaProp's.
+
+  Every table keeps 'mu' and 'nu': slot names and widths alone would let any two share a stack.
+  """
+  root = tmp_path_factory.mktemp("partly")
+  model = make_model([("a", 64, 8, Adam(0.1)), ("b", 120, 8, Adam(0.1)), ("c", 40, 8, Adam(0.1)),
+                      ("d", 72, 8, Adam(0.1)), ("e", 56, 8, LaProp(0.1))], seed=4)
+  layout = model.layout([["a"], ["b"], ["c"], ["d"], ["e"]], 2)
+  recorded = {name: opt for name, opt in model.optimizers(layout).items()
+              if layout.stack(name).table_names[0] in ("a", "c", "e")}
+  _save(root / "ckpt", model, layout, slot_specs=model.slot_specs(layout), optimizers=recorded)
+  reader = ck.CheckpointReader(root / "ckpt")
+  assert {t: reader.optimizer_name(t) for t in "abcde"} == {
+      "a": "adam", "b": None, "c": "adam", "d": None, "e": "laprop"}
+  return model, layout, root / "ckpt"
+
+
+def test_conversion_never_merges_a_recorded_table_with_an_unrecorded_one(partly, tmp_path):
+  """The merged stack would lose a's record, or claim b's slots for Adam unchecked: refused."""
+  model, layout, path = partly
+  together = ck.relayout(layout, groups=[["a", "b"], ["c"], ["d"], ["e"]])
+  match = (r"stack '[^']+' puts tables 'a' and 'b' together, but the checkpoint .* records the"
+           r" optimizer of table 'a'.*\('adam'\) and not that of table 'b'.*Stack them apart")
+  with pytest.raises(ck.SlotMismatchError, match=match):
+    ck.convert(path, tmp_path / "merged", together)
+  ck.convert(path, tmp_path / "unstacked", "unstacked")
+  with pytest.raises(ck.SlotMismatchError, match=match):
+    ck.convert(tmp_path / "unstacked", tmp_path / "merged", together)
+  assert main(["convert", str(path), str(tmp_path / "cli"), "--groups", "b,a;c;d;e"]) != 0
+  assert not (tmp_path / "cli").exists() and not (tmp_path / "merged").exists()
+  # Two recorded optimizers in one stack are refused by name, an unrecorded table beside them.
+  with pytest.raises(ck.SlotMismatchError, match=r"'a' and 'e' together.*\('adam' vs 'laprop'\)"):
+    ck.convert(path, tmp_path / "merged", ck.relayout(layout, groups=[["a", "b", "e"], ["c", "d"]]))
+  # Tables that agree keep their record; unrecorded ones stay unrecorded.
+  agreeing = ck.relayout(layout, groups=[["a", "c"], ["b", "d"], ["e"]])
+  ck.convert(path, tmp_path / "agreeing", agreeing)
+  assert _recorded(tmp_path / "agreeing") == {
+      agreeing.stack_of_table("a").name: "adam", agreeing.stack_of_table("b").name: None,
+      agreeing.stack_of_table("e").name: "laprop"}
+  restored = _restore(tmp_path / "agreeing", agreeing, optimizers=model.optimizers(agreeing))
+  model.check(agreeing, restored.tables, restored.slots)
+  # The way the error points to: restore into the merged layout, naming the optimizer.
+  restored = _restore(path, together, optimizers=model.optimizers(together))
+  model.check(together, restored.tables, restored.slots)
+
+
 def test_inspect_shows_the_optimizer(mixed, tmp_path, capsys):
   model, layout, path = mixed
   info = ck.inspect(path)

@@ -856,6 +856,41 @@ def test_sizing_from_stats():
   assert isinstance(stats, PreprocessStats)
 
 
+def test_stats_of_one_layout_do_not_size_another():
+  """Partitions depend on G, S and the stacking: figures of one layout are refused for another."""
+  specs = skewed_model()
+  rng = np.random.default_rng(3)
+  batch = {s.name: to_form(random_samples(rng, s.batch_size, 40, 8), "ragged_list", False)[0]
+           for s in specs}
+  layout = auto_stack_tables(specs, 2, 2)
+  stats = collect_stats([batch], specs, layout)
+  assert stats.layout == layout == batch_stats(batch, specs, layout).layout
+  assert preprocess(batch, specs, layout, allow_id_dropping=True)[1].layout == layout
+  assert collect_stats([], specs, layout).layout == layout
+  sized = size_limits_from_stats(specs, stats)
+  assert size_limits_from_stats(specs, [stats, stats], layout=layout) == sized
+  others = {"G": auto_stack_tables(specs, 1, 2), "S": auto_stack_tables(specs, 2, 1),
+            "stacks": stack_tables(specs, [["hot"], ["cold"]], 2, 2)}
+  for what, other in others.items():
+    with pytest.raises(ValueError, match=rf"collected on another layout than the one to size"
+                                         rf" \({what}=.*statistics vs layout\).*collect_stats"):
+      size_limits_from_stats(specs, stats, layout=other)
+    with pytest.raises(ValueError, match=rf"cannot merge statistics collected on different"
+                                         rf" layouts \({what}="):
+      size_limits_from_stats(specs, [stats, collect_stats([batch], specs, other)])
+  # Statistics that record no layout (built by hand, or objects of an older version, which
+  # unpickle without the field) are checked by their stacks' names and tables.
+  legacy = PreprocessStats.__new__(PreprocessStats)
+  legacy.__dict__["stacks"] = dict(stats.stacks)
+  assert legacy.layout is None and merge_stats([legacy, stats]).layout is None
+  assert size_limits_from_stats(specs, legacy, layout=layout) == sized
+  with pytest.raises(ValueError, match=r"hold stack 'hot__cold' with tables \['hot', 'cold'\],"
+                                       r" but the layout to size has no such stack"):
+    size_limits_from_stats(specs, legacy, layout=others["stacks"])
+  with pytest.raises(TypeError, match="layout must be an EmbeddingLayout or None, got dict"):
+    size_limits_from_stats(specs, stats, layout={})
+
+
 # --- tests: bad input -------------------------------------------------------
 
 

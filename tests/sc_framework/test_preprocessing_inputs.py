@@ -356,6 +356,57 @@ def test_ragged_weights_for_dense_ids_name_the_feature():
     flatten_input(DenseIds(np.array([[1, -1], [2, 3]]), [[1.0], [2.0, 3.0]]), spec, padding_id=-1)
 
 
+def _masked(data, masked=(0,)):
+  array = np.ma.masked_array(data)
+  array[masked] = np.ma.masked
+  return array
+
+
+_DENSE = np.array([[1, 2], [3, 4]])
+_MASK_CASES = {
+    "dense ids": (lambda: _masked(_DENSE), "the ids"),
+    "dense ids, nothing masked": (lambda: np.ma.masked_array(_DENSE, mask=False), "the ids"),
+    "ids of one per sample": (lambda: _masked(np.array([1, 2])), "the ids"),
+    "dense weights": (lambda: DenseIds(_DENSE, _masked(np.ones((2, 2)))), "the weights"),
+    "rows, one masked": (lambda: [np.array([1, 2]), _masked(np.array([3, 4]))], "sample 1's ids"),
+    "object array of rows": (lambda: np.array([_masked(np.array([1, 2])), np.array([3])],
+                                              dtype=object), "sample 0's ids"),
+    "masked rows": (lambda: RaggedRows(_masked(_DENSE)), "the ids"),
+    "row weights": (lambda: RaggedRows([[1, 2], [3]], [[1.0, 2.0], _masked(np.array([3.0]))]),
+                    "sample 1's weights"),
+    "ragged values": (lambda: RaggedIds(_masked(np.array([1, 2, 3])), [0, 2, 3]), "the ids"),
+    "row_splits": (lambda: RaggedIds([1, 2, 3], _masked(np.array([0, 2, 3]), 1)),
+                   "the row_splits"),
+    "ragged weights": (lambda: RaggedIds([1, 2, 3], [0, 2, 3], _masked(np.ones(3))),
+                       "the weights"),
+    "COO ids": (lambda: SparseIds([[0, 0], [1, 0]], _masked(np.array([1, 2])), (2, 2)),
+                "the ids"),
+    "COO indices": (lambda: SparseIds(_masked(np.array([[0, 0], [1, 0]])), [1, 2], (2, 2)),
+                    "the COO indices"),
+    "COO weights": (lambda: SparseIds([[0, 0], [1, 0]], [1, 2], (2, 2), _masked(np.ones(2))),
+                    "the weights"),
+    "dense_shape": (lambda: SparseIds([[0, 0], [1, 0]], [1, 2], _masked(np.array([2, 2]), 1)),
+                    "the dense_shape"),
+}
+
+
+@pytest.mark.parametrize("sequence", [False, True])
+@pytest.mark.parametrize("case", list(_MASK_CASES))
+def test_masked_arrays_are_refused_not_read_without_their_mask(case, sequence):
+  """np.asarray drops a mask: the masked entries would be used as ids or weights."""
+  make, what = _MASK_CASES[case]
+  spec = FeatureSpec("f", TableSpec("t", 50, 8, combiner="mean"), (2, 2),
+                     (2, 2, 8) if sequence else (2, 8))
+  with pytest.raises(TypeError, match=rf"feature 'f': {what} are a numpy masked array"
+                                      r" \(np.ma.MaskedArray\).*Pass plain arrays"):
+    flatten_input(make(), spec)
+
+
+def test_masked_lengths_are_refused():
+  with pytest.raises(TypeError, match=r"RaggedIds.from_lengths: the lengths are a numpy masked"):
+    RaggedIds.from_lengths([1, 2, 3], _masked(np.array([2, 1]), 1))
+
+
 # --- COO ----------------------------------------------------------------------
 
 

@@ -806,3 +806,18 @@ def test_a_plan_refuses_a_layout_that_contradicts_its_specs():
   EmbeddingPlan.create(specs(Adagrad(0.1)), mesh=mesh, layout=layout)  # fits
   with pytest.raises(ValueError, match="tables 'a' and 'b' cannot share a stack"):
     EmbeddingPlan.create(specs(Adagrad(0.5)), mesh=mesh, layout=layout)
+
+
+def test_a_plan_refuses_shards_per_device_that_disagrees_with_its_layout():
+  from sc_framework.stacking import auto_stack_tables
+
+  table = TableSpec("a", 50, 8, optimizer=Adagrad(0.1))
+  specs = [FeatureSpec("fa", table, (8, 2))]
+  mesh = Mesh(np.array(jax.devices()[:2]), ("devices",))
+  layout = auto_stack_tables(specs, num_devices=2, shards_per_device=4)
+  for agreeing in ({}, {"shards_per_device": 4}):
+    plan = EmbeddingPlan.create(specs, mesh=mesh, layout=layout, **agreeing)
+    assert plan.layout.shards_per_device == 4
+  with pytest.raises(ValueError, match=r"shards_per_device=1 disagrees.*S=4"):
+    EmbeddingPlan.create(specs, mesh=mesh, shards_per_device=1, layout=layout)
+  assert EmbeddingPlan.create(specs, mesh=mesh).layout.shards_per_device == 1

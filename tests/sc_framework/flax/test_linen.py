@@ -215,6 +215,13 @@ def test_batch_of_another_layout_is_an_error():
     Model(1, 1).apply(variables, partial)
 
 
+def test_layer_takes_shards_per_device_from_its_layout():
+  layout = LinenSparseEmbed(ref.FEATURES, mesh=ref.mesh(2), shards_per_device=4).plan.layout
+  assert LinenSparseEmbed(ref.FEATURES, mesh=ref.mesh(2), layout=layout).plan.layout == layout
+  with pytest.raises(ValueError, match=r"shards_per_device=1 disagrees.*S=4"):
+    LinenSparseEmbed(ref.FEATURES, mesh=ref.mesh(2), shards_per_device=1, layout=layout).plan
+
+
 def test_apply_without_the_embedding_collection_is_an_error():
   state, batch, _ = _final_state_and_batch()
   with pytest.raises(ValueError, match="no 'embedding' variables"):

@@ -233,6 +233,16 @@ def test_state_updated_by_the_loss_is_kept():
   assert int(model.embed.step.get_value()) == STEPS
 
 
+def test_layer_takes_shards_per_device_from_its_layout():
+  layout = NnxSparseEmbed(ref.FEATURES, mesh=ref.mesh(2), shards_per_device=4,
+                          rngs=nnx.Rngs(0)).plan.layout
+  embed = NnxSparseEmbed(ref.FEATURES, mesh=ref.mesh(2), layout=layout, rngs=nnx.Rngs(0))
+  assert embed.plan.layout == layout
+  with pytest.raises(ValueError, match=r"shards_per_device=1 disagrees.*S=4"):
+    NnxSparseEmbed(ref.FEATURES, mesh=ref.mesh(2), shards_per_device=1, layout=layout,
+                   rngs=nnx.Rngs(0))
+
+
 def test_layer_outside_the_model_is_an_error():
   run = trained("1x1")
   model = run["records"][0]["model"]
