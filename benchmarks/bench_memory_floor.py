@@ -49,6 +49,7 @@ import numpy as np  # noqa: E402
 from benchmarks._common import parse_args, print_table, time_interleaved, write_json  # noqa: E402
 from benchmarks.bench_vs_torchrec import LEARNING_RATE, Ours, make_batch  # noqa: E402
 from sc_framework.host_allocator import keep_freed_memory  # noqa: E402
+from sc_framework.primitives._row_ops import cpu_kernels_build  # noqa: E402
 from sc_framework.optimizers import SGD, RowWiseAdagrad  # noqa: E402
 from sc_framework.primitives import apply_embedding_gradients, embedding_lookup  # noqa: E402
 
@@ -62,7 +63,9 @@ def compile_floor(directory: str) -> ctypes.CDLL | None:
     print("memory floor skipped: no C++ compiler found (set CXX to one).")
     return None
   library = os.path.join(directory, "memory_floor.so")
-  subprocess.run([compiler, "-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", SOURCE,
+  # For the instructions our kernels' build uses: a fair floor.
+  target = ["-march=x86-64-v3"] if cpu_kernels_build() == "x86-64-v3" else []
+  subprocess.run([compiler, "-O3", "-std=c++17", *target, "-shared", "-fPIC", "-pthread", SOURCE,
                   "-o", library], check=True)
   floor = ctypes.CDLL(library)
   pointer, size, count = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -171,7 +174,8 @@ def main(argv=None) -> dict:
   num_tables, vocab, dim, batch = config
   print(f"\nours vs the memory floor: {num_tables} tables x {vocab:,} rows x dim {dim}, batch"
         f" {batch:,}, 1-20 uniform ids/sample; median of {args.repeats} interleaved rounds;"
-        f" host allocator {allocator!r}; backend {rows[0]['backend']!r}")
+        f" host allocator {allocator!r}; backend {rows[0]['backend']!r}; C++ kernels build"
+        f" {cpu_kernels_build()!r}")
   print_table(rows, [
       ("optimizer", "optimizer", "s"),
       ("ours_lookup_ms", "lookup ms", ".1f"), ("floor_lookup_ms", "floor", ".1f"),

@@ -72,6 +72,7 @@ from sc_framework.preprocessing import (  # noqa: E402
     size_limits_from_stats,
 )
 from sc_framework.primitives import EmbeddingPlan, get_backend, init_embedding_variables  # noqa: E402
+from sc_framework.primitives._row_ops import cpu_kernels_build  # noqa: E402
 
 LEARNING_RATE = 0.01
 PARTS = ("all", "torchrec", "plain-jax")
@@ -268,8 +269,9 @@ def main(argv=None) -> dict:
   num_tables, vocab, dim, batch = config
   header = (f"{num_tables} tables x {vocab:,} rows x dim {dim}, batch {batch:,}, 1-{MAX_IDS}"
             f" uniform ids/sample, sum combiner; median of {args.repeats} interleaved rounds;"
-            f" host allocator {allocator!r}")
+            f" host allocator {allocator!r}; C++ kernels build {cpu_kernels_build()!r}")
   result = {"benchmark": "vs_torchrec", "quick": args.quick, "repeats": args.repeats,
+            "cpu_kernels_build": cpu_kernels_build(),
             "config": {"tables": num_tables, "vocab": vocab, "dim": dim, "batch": batch,
                        "ids_per_sample": [1, MAX_IDS], "learning_rate": LEARNING_RATE}}
   if part in ("all", "torchrec"):

@@ -23,6 +23,14 @@
 //
 // The kernels live in the headers _cpu_kernels_*.h next to this file; this
 // file registers them as FFI handlers and defines the Python module.
+//
+// setup.py compiles this file twice on x86-64: `_cpu_kernels` for any x86-64
+// CPU, and `_cpu_kernels_x86_64_v3` (SC_KERNELS_X86_64_V3 defined, built with
+// -march=x86-64-v3: AVX2 vectors twice as wide, FMA, BMI) that
+// sc_framework.primitives._row_ops loads instead where the CPU has those
+// instructions (`cpu_supports_x86_64_v3` of the first module says). Both
+// builds use -ffp-contract=off, so no a * b + c becomes a fused multiply-add:
+// the two give the same bits.
 
 #include <Python.h>
 
@@ -153,14 +161,34 @@ static PyObject* Handlers(PyObject*, PyObject*) {
   return out;
 }
 
+// cpu_supports_x86_64_v3() -> bool: whether this CPU runs x86-64-v3 code.
+static PyObject* CpuSupportsX8664V3(PyObject*, PyObject*) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  return PyBool_FromLong(__builtin_cpu_supports("x86-64-v3"));
+#else
+  Py_RETURN_FALSE;
+#endif
+}
+
+#ifdef SC_KERNELS_X86_64_V3
+#define SC_KERNELS_MODULE_NAME "_cpu_kernels_x86_64_v3"
+#define SC_KERNELS_MODULE_INIT PyInit__cpu_kernels_x86_64_v3
+#else
+#define SC_KERNELS_MODULE_NAME "_cpu_kernels"
+#define SC_KERNELS_MODULE_INIT PyInit__cpu_kernels
+#endif
+
 static PyMethodDef kMethods[] = {
     {"handlers", Handlers, METH_NOARGS, "XLA FFI handlers of the CPU embedding kernels."},
+    {"cpu_supports_x86_64_v3", CpuSupportsX8664V3, METH_NOARGS,
+     "Whether this CPU runs the x86-64-v3 build of the kernels (AVX2, FMA, BMI)."},
     {nullptr, nullptr, 0, nullptr},
 };
 
 static PyModuleDef kModule = {
     PyModuleDef_HEAD_INIT,
-    "_cpu_kernels",
+    SC_KERNELS_MODULE_NAME,
     "Multi-threaded CPU kernels for the embedding primitives.",
     -1,
     kMethods,
@@ -170,4 +198,4 @@ static PyModuleDef kModule = {
     nullptr,  // m_free
 };
 
-PyMODINIT_FUNC PyInit__cpu_kernels(void) { return PyModule_Create(&kModule); }
+PyMODINIT_FUNC SC_KERNELS_MODULE_INIT(void) { return PyModule_Create(&kModule); }

@@ -26,7 +26,10 @@ by 1024 samples got a quarter of its gradient.
 `XLA_OPS` expresses them with jnp gathers, scatters and segment sums and runs
 anywhere. `CPU_KERNEL_OPS` calls multi-threaded C++ kernels through the XLA
 FFI (`_cpu_kernels.cc`, built at install time when a C++ compiler is
-available); for non-float32 arrays it falls back to `XLA_OPS`.
+available); for non-float32 arrays it falls back to `XLA_OPS`. On x86-64 the
+kernels are built twice, for any CPU and for x86-64-v3 CPUs (AVX2, FMA,
+BMI); `cpu_kernels_build()` says which one this process runs. Both give the
+same bits.
 """
 
 from __future__ import annotations
@@ -117,15 +120,41 @@ _TARGETS = {
 }
 
 
-@functools.cache
-def cpu_kernels_available() -> bool:
-  """Whether the C++ kernels are built, registered and pass a probe call."""
+def _kernels_module():
+  """The build of the C++ kernels for this CPU (a module), or None when none is built.
+
+  The x86-64-v3 build where it was built and the CPU runs it, else the build
+  for any CPU. The CPU is asked by the latter, which runs everywhere: the
+  former must not even be loaded on a CPU without its instructions.
+  """
   try:
     from sc_framework.primitives import _cpu_kernels  # pylint: disable=g-import-not-at-top
   except ImportError:
+    return None
+  if _cpu_kernels.cpu_supports_x86_64_v3():
+    try:
+      from sc_framework.primitives import _cpu_kernels_x86_64_v3  # pylint: disable=g-import-not-at-top
+    except ImportError:  # not built: a compiler without -march=x86-64-v3, another platform
+      return _cpu_kernels
+    return _cpu_kernels_x86_64_v3
+  return _cpu_kernels
+
+
+def cpu_kernels_build() -> str | None:
+  """Which build of the C++ kernels this process runs: "x86-64-v3", "generic" or None (none works)."""
+  if not cpu_kernels_available():
+    return None
+  return "x86-64-v3" if _kernels_module().__name__.endswith("_x86_64_v3") else "generic"
+
+
+@functools.cache
+def cpu_kernels_available() -> bool:
+  """Whether the C++ kernels are built, registered and pass a probe call."""
+  kernels = _kernels_module()
+  if kernels is None:
     return False
   try:
-    handlers = _cpu_kernels.handlers()
+    handlers = kernels.handlers()
     for key, target in _TARGETS.items():
       jax.ffi.register_ffi_target(target, handlers[key], platform="cpu")
     # The first call may come while a jitted function is being traced: run
@@ -140,7 +169,7 @@ def cpu_kernels_available() -> bool:
     return True
   except Exception as error:  # noqa: BLE001 - an ABI or registration problem: use the XLA ops
     warnings.warn(
-        f"the built CPU kernels (sc_framework.primitives._cpu_kernels) do not work here"
+        f"the built CPU kernels ({kernels.__name__}) do not work here"
         f" ({type(error).__name__}: {error}); using the portable XLA ops instead, which are"
         " slower on CPU. Reinstall the package with this jax/jaxlib version to rebuild them.",
         RuntimeWarning, stacklevel=2,

@@ -12,6 +12,8 @@ neither deadlock nor change a bit of their results.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +21,13 @@ import numpy as np
 import pytest
 
 from sc_framework.optimizers import FTRL, SGD, Adagrad, Adam, RowWiseAdagrad
-from sc_framework.primitives._row_ops import _TARGETS, CPU_KERNEL_OPS, cpu_kernels_available
+from sc_framework.primitives import _row_ops
+from sc_framework.primitives._row_ops import (
+    _TARGETS,
+    CPU_KERNEL_OPS,
+    cpu_kernels_available,
+    cpu_kernels_build,
+)
 from tests.numerics import assert_same_bits
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(),
@@ -196,3 +204,77 @@ def test_concurrent_calls_share_the_pool_without_deadlock():
   assert not pending, f"{len(pending)} of 32 concurrent kernel calls did not finish (deadlock?)"
   for future in done:
     assert_same_bits(future.result(), expected)
+
+
+@functools.cache
+def _generic_build_targets() -> dict[str, str]:
+  """`_TARGETS` with each kernel of the build for any CPU, registered under its own name."""
+  from sc_framework.primitives import _cpu_kernels
+
+  handlers = _cpu_kernels.handlers()
+  targets = {}
+  for key, target in _TARGETS.items():
+    targets[key] = f"{target}_generic_build"
+    jax.ffi.register_ffi_target(targets[key], handlers[key], platform="cpu")
+  return targets
+
+
+def _every_kernel(seed: int) -> dict[str, jax.Array]:
+  """Each kernel once (fused updates with every option), at a threaded size, jitted afresh."""
+  rng = np.random.default_rng(seed)
+  rows, dim, count, samples, entries = 3000, 37, 1200, 700, 6000  # dim: vector tails too
+  table = rng.normal(size=(rows, dim)).astype(np.float32)
+  index = rng.permutation(rows)[:count].astype(np.int32)
+  index[::50] = -1
+  samples_of = np.sort(rng.integers(0, samples + 1, entries)).astype(np.int32)
+  unique_index = rng.integers(0, count, entries).astype(np.int32)
+  gains = rng.uniform(-1, 2, entries).astype(np.float32)
+  grads = rng.normal(size=(samples, dim)).astype(np.float32)
+  row_grads = rng.normal(size=(count, dim)).astype(np.float32)
+  dims = rng.choice([dim, 30, 9], count).astype(np.int32)
+  step = jnp.int32(rng.integers(0, 9))
+  out = {
+      "gather_rows": jax.jit(CPU_KERNEL_OPS.gather_rows)(table, index),
+      "scatter_rows": jax.jit(CPU_KERNEL_OPS.scatter_rows)(table, index, row_grads),
+      "combine_entries": jax.jit(CPU_KERNEL_OPS.combine_entries, static_argnums=4)(
+          table, index[unique_index].clip(0), samples_of, gains, samples),
+      "segment_grads": jax.jit(CPU_KERNEL_OPS.segment_grads, static_argnums=4)(
+          grads, samples_of, unique_index, gains, count),
+  }
+  options = dict(clipvalue=(-0.8, 0.9), row_clipnorm=2.5, weight_decay_factor=0.1,
+                 clip_weight_min=-2.0, clip_weight_max=2.5)
+  for optimizer in (SGD(0.3), RowWiseAdagrad(0.2, eps=1e-3), Adagrad(0.2, eps=1e-3),
+                    Adam(0.05, sum_inside_sqrt=True), FTRL(0.2, l1=0.05, l2=0.1, beta=0.3)):
+    optimizer = dataclasses.replace(optimizer, **options)
+    slots = {spec.name: jnp.asarray(
+        spec.initial_value + rng.uniform(0.0, 0.5, (rows, spec.stacked_width(dim))), jnp.float32)
+        for spec in optimizer.slots()}
+    fused = CPU_KERNEL_OPS.fused_update(optimizer, jnp.asarray(table), slots)
+    for variant, gradients in (("rows", dict(row_grads=row_grads)),
+                               ("entries", dict(entries=(grads, samples_of, unique_index, gains)))):
+      new_table, new_slots = jax.jit(lambda t, s, g=gradients, f=fused: f(
+          t, s, index, step, dims, **g))(jnp.asarray(table), slots)
+      out[f"{optimizer.kind}_{variant}"] = new_table
+      out.update({f"{optimizer.kind}_{variant}_{k}": v for k, v in new_slots.items()})
+  return out
+
+
+@pytest.mark.skipif(cpu_kernels_build() != "x86-64-v3",
+                    reason="this process runs the kernels' build for any CPU, the only one here")
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_x86_64_v3_build_gives_the_generic_builds_bits(seed, monkeypatch):
+  """The x86-64-v3 build (wider vectors) sums in the same order, without fused multiply-adds."""
+  fast = _every_kernel(seed)
+  monkeypatch.setattr(_row_ops, "_TARGETS", _generic_build_targets())
+  generic = _every_kernel(seed)
+  assert fast.keys() == generic.keys()
+  for name in fast:
+    assert_same_bits(fast[name], generic[name], err_msg=name)
+
+
+def test_a_cpu_without_x86_64_v3_gets_the_build_for_any_cpu(monkeypatch):
+  """The x86-64-v3 build is never even loaded where the CPU lacks its instructions."""
+  from sc_framework.primitives import _cpu_kernels
+
+  monkeypatch.setattr(_cpu_kernels, "cpu_supports_x86_64_v3", lambda: False)
+  assert _row_ops._kernels_module() is _cpu_kernels
