@@ -74,7 +74,8 @@ def build(num_tables, vocab, dim, batch, optimizer, distribution, seed=0):
   rng = np.random.default_rng(seed)
   ids = make_ids(rng, num_tables, batch, vocab, distribution)
   raw = {f"f{k}": ids[k] for k in range(num_tables)}
-  specs = size_limits_from_stats(specs, collect_stats([raw], specs, plan.layout, padding_id=-1), headroom=1.0)
+  specs = size_limits_from_stats(specs, collect_stats([raw], specs, plan.layout, padding_id=-1),
+                                 layout=plan.layout, headroom=1.0)
   plan = EmbeddingPlan.create(specs, mesh=plan.mesh)
   batch_buffers, _ = preprocess(raw, specs, plan.layout, padding_id=-1)
   return plan, ids, jax.device_put(batch_buffers)

@@ -99,7 +99,7 @@ def with_limits(specs: list[FeatureSpec], batches: list[dict[str, Any]]) -> list
   """The specs with partition limits from the batches' statistics (30% headroom)."""
   layout = auto_stack_tables(specs, jax.device_count())
   stats = collect_stats([b["sparse"] for b in batches], specs, layout, padding_id=-1)
-  return list(size_limits_from_stats(specs, stats, headroom=1.3))
+  return list(size_limits_from_stats(specs, stats, layout=layout, headroom=1.3))
 
 
 def dlrm_case(quick: bool) -> Case:

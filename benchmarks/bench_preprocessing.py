@@ -101,7 +101,8 @@ def run_case(distribution: str, form: str, repeats: int, seed: int) -> dict:
   layout = auto_stack_tables(specs, num_devices=1, shards_per_device=1)
   warmup = [make_batch(rng, sampler, form) for _ in range(2)]
   specs = size_limits_from_stats(
-      specs, collect_stats(warmup, specs, layout, padding_id=PADDING_ID), headroom=1.2
+      specs, collect_stats(warmup, specs, layout, padding_id=PADDING_ID), layout=layout,
+      headroom=1.2
   )
   batches = [make_batch(rng, sampler, form) for _ in range(repeats)]
   num_ids = [

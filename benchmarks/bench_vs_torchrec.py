@@ -129,7 +129,7 @@ class Ours:
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("devices",))
     layout = EmbeddingPlan.create(specs, mesh=mesh).layout
     stats = collect_stats([ours_input(raw) for raw in warmup_batches], specs, layout)
-    self.specs = size_limits_from_stats(specs, stats, headroom=1.2)
+    self.specs = size_limits_from_stats(specs, stats, layout=layout, headroom=1.2)
     self.plan = EmbeddingPlan.create(self.specs, mesh=mesh)
     self.backend = get_backend("auto", self.plan).name
     self.step = step_fn(self.plan)
