@@ -23,6 +23,7 @@ from sc_framework.primitives._plan import (
     default_mesh,
     process_major_devices,
 )
+from sc_framework.primitives._row_ops import cpu_kernels_build
 from sc_framework.primitives._state import EmbeddingVariables, init_embedding_variables, table_seed
 
 __all__ = [
@@ -46,4 +47,5 @@ __all__ = [
     "available_backends",
     "get_backend",
     "registered_backends",
+    "cpu_kernels_build",
 ]
