@@ -12,17 +12,23 @@ from test_resume import make_trainer
 from test_trainer import make_batches
 
 
-def _hanging_after(batches, index: int, hang_s: float, ready):
+def _wait_for(condition, timeout_s: float = 60) -> None:
+  deadline = time.monotonic() + timeout_s
+  while not condition() and time.monotonic() < deadline:
+    time.sleep(0.05)
+
+
+def _hanging_after(batches, index: int, hang_s: float, ready, first_handled):
   """Yields `batches`; before batch `index` (once `ready()`, so the steps before
-  it have run) it sends SIGINT twice, then hangs."""
+  it have run) it sends SIGINT twice, then hangs. The second goes once
+  `first_handled()`: two SIGINTs that arrive while the main thread is inside
+  one C call (a step, a compilation) run Python's handler only once."""
   for position, batch in enumerate(batches):
     if position == index:
-      deadline = time.monotonic() + 60
-      while not ready() and time.monotonic() < deadline:
-        time.sleep(0.05)
-      for _ in range(2):
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(0.3)  # two separate deliveries, not one coalesced signal
+      _wait_for(ready)
+      os.kill(os.getpid(), signal.SIGINT)
+      _wait_for(first_handled)
+      os.kill(os.getpid(), signal.SIGINT)
       time.sleep(hang_s)
     yield batch
 
@@ -33,7 +39,8 @@ def test_a_second_ctrl_c_aborts_a_fit_whose_data_hangs(tmp_path, pipelining):
   trainer = make_trainer(tmp_path, pipelining)
   with pytest.raises(KeyboardInterrupt, match="second SIGINT"):
     trainer.fit(_hanging_after(make_batches(8, seed=90), 4, hang_s=2.0,
-                               ready=lambda: (trainer.latest_checkpoint_step() or 0) >= 2))
+                               ready=lambda: (trainer.latest_checkpoint_step() or 0) >= 2,
+                               first_handled=trainer._stop_requested.is_set))
   assert signal.getsignal(signal.SIGINT) is before
   # The checkpoints written before the abort are intact: a new fit resumes.
   resumed = make_trainer(tmp_path, pipelining)
