@@ -162,10 +162,18 @@ static PyObject* Handlers(PyObject*, PyObject*) {
 }
 
 // cpu_supports_x86_64_v3() -> bool: whether this CPU runs x86-64-v3 code.
+// GCC 12 and newer ask for the level itself; older compilers (which must
+// still build this generic module) for its vector and bit instructions,
+// which every CPU that has them pairs with the level's others.
 static PyObject* CpuSupportsX8664V3(PyObject*, PyObject*) {
 #if defined(__x86_64__) && defined(__GNUC__)
   __builtin_cpu_init();
+#if !defined(__clang__) && __GNUC__ >= 12
   return PyBool_FromLong(__builtin_cpu_supports("x86-64-v3"));
+#else
+  return PyBool_FromLong(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                         __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2"));
+#endif
 #else
   Py_RETURN_FALSE;
 #endif
