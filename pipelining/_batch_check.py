@@ -10,6 +10,9 @@ position in its data, the entry and expected vs actual:
   * a dense feature or label whose leading dimension is not the batch's
     number of samples (this process's share of the FeatureSpecs' batch
     size): one row per sample;
+  * a dense feature or label that is a numpy masked array: its mask would be
+    dropped without a word when the batch is staged, and the masked values
+    trained on;
   * a batch whose dense features or labels differ in structure, shape or
     dtype from the first batch that had them (dtypes as JAX will hold them:
     float64 becomes float32 without x64). The model, the optimizer state and
@@ -113,6 +116,23 @@ def check_rows(shapes: Shapes, entry: str, rows: Sequence[int], samples: str, wh
     )
 
 
+def check_unmasked(tree: Any, entry: str, where: str) -> None:
+  """Raises TypeError if a leaf of `entry` is a numpy masked array, naming the leaf.
+
+  Staging converts every leaf with np.asarray, which drops a mask: the
+  masked values would be trained on as if they were data.
+  """
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if isinstance(leaf, np.ma.MaskedArray):
+      raise TypeError(
+          f"{where}: {entry}{jax.tree_util.keystr(path)} is a numpy masked array"
+          f" (np.ma.MaskedArray) with {int(np.ma.count_masked(leaf))} masked values; its mask"
+          " would be dropped when the batch is staged and the masked values used as data."
+          " Pass a plain array: fill the masked values (leaf.filled(value)), or drop their"
+          " samples from the batch."
+      )
+
+
 def check_like_first(entry: str, first: Shapes, shapes: Shapes, where: str) -> None:
   """Raises ValueError unless `shapes` (of a later batch) equal `first` (the first batch's).
 
@@ -173,6 +193,7 @@ class BatchChecker:
     where = batch_name(use, index)
     check_entries(raw, use, where)
     for entry in _CHECKED[use]:
+      check_unmasked(raw.get(entry), entry, where)
       shapes = describe(raw.get(entry))
       check_rows(shapes, entry, self._rows, self._samples, where)
       with self._lock:

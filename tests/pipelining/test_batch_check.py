@@ -173,3 +173,32 @@ def test_fit_names_a_dense_entry_of_another_batch_size():
       f" {BATCH - 1}, but the batch has {BATCH} samples")):
     trainer.fit(batches)
   assert int(trainer.state.step) == 1
+
+
+@pytest.mark.parametrize("entry, path, use", [
+    ("dense", "['user']", "training"), ("labels", "", "training"), ("labels", "", "evaluation"),
+    ("dense", "['user']", "prediction"),
+])
+def test_a_masked_array_is_refused_naming_the_leaf(entry, path, use):
+  rng = np.random.default_rng(7)
+  values = rng.normal(size=(8, 3) if entry == "dense" else 8)
+  masked = np.ma.masked_array(values, mask=rng.random(values.shape) < 0.3)
+  raw = batch({"user": rng.normal(size=(8, 3))}, rng.normal(size=8))
+  raw[entry] = {"user": masked} if entry == "dense" else masked
+  with pytest.raises(TypeError, match=re.escape(
+      f"batch 4 of the {use} data: {entry}{path} is a numpy masked array (np.ma.MaskedArray)"
+      f" with {int(masked.mask.sum())} masked values")):
+    BatchChecker([8], 1, 1).check(raw, use, 4)
+
+
+def test_fit_refuses_masked_labels_before_their_step():
+  batches = make_batches(3, seed=105)
+  labels = batches[1]["labels"]
+  mask = np.zeros(np.shape(labels), bool)
+  mask.flat[::2] = True
+  batches[1]["labels"] = np.ma.masked_array(labels, mask=mask)
+  trainer = make_trainer()
+  with pytest.raises(TypeError, match=re.escape(
+      "batch 1 of the training data: labels is a numpy masked array")):
+    trainer.fit(batches)
+  assert int(trainer.state.step) == 0  # pipelined: batch 0's step looks up batch 1
