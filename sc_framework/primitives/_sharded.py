@@ -48,17 +48,29 @@ def _exchange(x: jax.Array, plan: EmbeddingPlan) -> jax.Array:
   return jax.lax.all_to_all(x, plan.axis_name, split_axis=0, concat_axis=0)
 
 
-def _run(mapped: Callable[..., Any], *args):
-  """Calls a shard_map'd function: compiled as one program when called eagerly.
+def _run(make: Callable[..., Callable[..., Any]], key: tuple, *args):
+  """Calls the shard_map'd program `make(*key)`: compiled once per key when called eagerly.
 
   Outside any trace, shard_map runs its body op by op, compiling each op (a
   lookup or update took seconds, an update of a small table about 8 s on
-  two cores); jitted, it is one compilation. Under a trace (a user's jit,
-  grad or vmap), it is traced into that program as it is.
+  two cores); jitted, it is one compilation, and the jitted program is kept
+  per (make, key), so later eager calls with the same shapes reuse it.
+  Under a trace (a user's jit, grad or vmap), it is traced into that
+  program as it is.
   """
   if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(args)):
-    return mapped(*args)
-  return jax.jit(mapped)(*args)
+    return make(*key)(*args)
+  try:
+    hash(key)
+  except TypeError:  # a spec holds something unhashable: compile for this call only
+    return jax.jit(make(*key))(*args)
+  return _jitted(make, key)(*args)
+
+
+@functools.lru_cache(maxsize=64)
+def _jitted(make: Callable[..., Callable[..., Any]], key: tuple) -> Callable[..., Any]:
+  """jax.jit(make(*key)), one per (make, key) (a plan, its row ops and a stack)."""
+  return jax.jit(make(*key))
 
 
 def _owned_rows(unique_rows: jax.Array, plan: EmbeddingPlan, stack: StackLayout) -> jax.Array:
@@ -171,24 +183,35 @@ def _local_update(
   return table, slot_arrays
 
 
+def _lookup_program(plan: EmbeddingPlan, ops: RowOps, stack: StackLayout,
+                    per_device: Callable[..., Any]) -> Callable[..., Any]:
+  """One stack's lookup over the mesh; `per_device(plan, stack, [B_loc, D'])`
+  shapes each device's result (the stacked activations or their features)."""
+  rows = PartitionSpec(plan.axis_name)
+
+  def body(table, unique_rows, samples, unique_index, gains):
+    return per_device(plan, stack, _local_lookup(
+        plan, ops, stack, table, unique_rows, samples, unique_index, gains
+    ))
+
+  return jax.shard_map(body, mesh=plan.mesh, in_specs=(rows,) * 5, out_specs=rows,
+                       check_vma=False)
+
+
+def _stacked(plan: EmbeddingPlan, stack: StackLayout, activations: jax.Array) -> jax.Array:
+  """A device's stacked activations [B_loc, D'] as they are (`lookup_stacks`)."""
+  del plan, stack
+  return activations
+
+
 def _lookup(plan: EmbeddingPlan, tables: dict[str, jax.Array], batch: dict[str, StackBatch],
             ops: RowOps, per_device: Callable[..., Any]) -> dict[str, Any]:
-  """Runs each stack's lookup on every device; `per_device(stack, [B_loc, D'])`
-  shapes the device's result (the stacked activations or their features)."""
-  rows = PartitionSpec(plan.axis_name)
-  out = {}
-  for stack in plan.layout.stacks:
-
-    def body(table, unique_rows, samples, unique_index, gains, stack=stack):
-      return per_device(stack, _local_lookup(
-          plan, ops, stack, table, unique_rows, samples, unique_index, gains
-      ))
-
-    mapped = jax.shard_map(
-        body, mesh=plan.mesh, in_specs=(rows,) * 5, out_specs=rows, check_vma=False
-    )
-    out[stack.name] = _run(mapped, tables[stack.name], *batch[stack.name])
-  return out
+  """Runs each stack's lookup on every device (see `_lookup_program`)."""
+  return {
+      stack.name: _run(_lookup_program, (plan, ops, stack, per_device), tables[stack.name],
+                       *batch[stack.name])
+      for stack in plan.layout.stacks
+  }
 
 
 def lookup(
@@ -196,8 +219,7 @@ def lookup(
     *, ops: RowOps = XLA_OPS,
 ) -> dict[str, jax.Array]:
   """Activations per feature; see `sc_framework.primitives.embedding_lookup`."""
-  by_stack = _lookup(plan, tables, batch, ops,
-                     lambda stack, activations: _split_features(plan, stack, activations))
+  by_stack = _lookup(plan, tables, batch, ops, _split_features)
   return {name: value for features in by_stack.values() for name, value in features.items()}
 
 
@@ -206,33 +228,51 @@ def lookup_stacks(
     *, ops: RowOps = XLA_OPS,
 ) -> dict[str, jax.Array]:
   """Stacked activations per stack; see `sc_framework.primitives.stacked_lookup`."""
-  return _lookup(plan, tables, batch, ops, lambda stack, activations: activations)
+  return _lookup(plan, tables, batch, ops, _stacked)
+
+
+def _per_device_program(plan: EmbeddingPlan, stack: StackLayout,
+                        per_device: Callable[..., Any]) -> Callable[..., Any]:
+  """`per_device(plan, stack, x)` on every device's block of x."""
+  rows = PartitionSpec(plan.axis_name)
+  return jax.shard_map(functools.partial(per_device, plan, stack), mesh=plan.mesh,
+                       in_specs=rows, out_specs=rows, check_vma=False)
 
 
 def split_stacks(plan: EmbeddingPlan, stacked: dict[str, jax.Array]) -> dict[str, jax.Array]:
   """Stack name -> [G * B_s, D'] stacked activations -> feature -> [S_f, D_f]."""
-  rows = PartitionSpec(plan.axis_name)
   out = {}
   for stack in plan.layout.stacks:
-    mapped = jax.shard_map(
-        functools.partial(_split_features, plan, stack), mesh=plan.mesh, in_specs=rows,
-        out_specs=rows, check_vma=False,
-    )
-    out.update(_run(mapped, stacked[stack.name]))
+    out.update(_run(_per_device_program, (plan, stack, _split_features), stacked[stack.name]))
   return out
 
 
 def join_stacks(plan: EmbeddingPlan, features: dict[str, jax.Array]) -> dict[str, jax.Array]:
   """Feature -> [S_f, D_f] -> stack name -> [G * B_s, D'] (the inverse of `split_stacks`)."""
+  return {
+      stack.name: _run(_per_device_program, (plan, stack, _join_features),
+                       {f.name: features[f.name] for f in stack.features})
+      for stack in plan.layout.stacks
+  }
+
+
+def _update_program(plan: EmbeddingPlan, ops: RowOps, stack: StackLayout) -> Callable[..., Any]:
+  """One stack's fused update over the mesh: (table, slots, grads, *batch, step) -> (table, slots)."""
   rows = PartitionSpec(plan.axis_name)
-  out = {}
-  for stack in plan.layout.stacks:
-    mapped = jax.shard_map(
-        functools.partial(_join_features, plan, stack), mesh=plan.mesh, in_specs=rows,
-        out_specs=rows, check_vma=False,
+
+  def body(table, slot_arrays, grads, unique_rows, samples, unique_index, gains, step):
+    joined = _join_features(plan, stack, grads)
+    return _local_update(
+        plan, ops, stack, table, slot_arrays, joined, unique_rows, samples, unique_index, gains, step
     )
-    out[stack.name] = _run(mapped, {f.name: features[f.name] for f in stack.features})
-  return out
+
+  return jax.shard_map(
+      body,
+      mesh=plan.mesh,
+      in_specs=(rows, rows, rows, rows, rows, rows, rows, PartitionSpec()),
+      out_specs=(rows, rows),
+      check_vma=False,
+  )
 
 
 def apply_gradients(
@@ -245,27 +285,12 @@ def apply_gradients(
     ops: RowOps = XLA_OPS,
 ) -> EmbeddingVariables:
   """Fused update; see `sc_framework.primitives.apply_embedding_gradients`."""
-  rows = PartitionSpec(plan.axis_name)
   tables, slots = dict(variables.tables), dict(variables.slots)
   step = jnp.asarray(step, jnp.int32)
   for stack in plan.layout.stacks:
-    stack_batch = batch[stack.name]
     grads = {f.name: activation_grads[f.name] for f in stack.features}
-
-    def body(table, slot_arrays, grads, unique_rows, samples, unique_index, gains, step, stack=stack):
-      joined = _join_features(plan, stack, grads)
-      return _local_update(
-          plan, ops, stack, table, slot_arrays, joined, unique_rows, samples, unique_index, gains, step
-      )
-
-    mapped = jax.shard_map(
-        body,
-        mesh=plan.mesh,
-        in_specs=(rows, rows, rows, rows, rows, rows, rows, PartitionSpec()),
-        out_specs=(rows, rows),
-        check_vma=False,
-    )
     tables[stack.name], slots[stack.name] = _run(
-        mapped, tables[stack.name], slots[stack.name], grads, *stack_batch, step
+        _update_program, (plan, ops, stack), tables[stack.name], slots[stack.name], grads,
+        *batch[stack.name], step
     )
   return EmbeddingVariables(tables, slots)

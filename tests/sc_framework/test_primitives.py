@@ -815,14 +815,22 @@ def test_eager_calls_compile_one_program_per_stack():
     if event == "/jax/core/compile/backend_compile_duration":
       compiles.append(event)
 
+  def eager_calls(step):
+    return (embedding_lookup(plan, variables.tables, batch),
+            apply_embedding_gradients(plan, variables, batch, grads, step))
+
   jax.monitoring.register_event_duration_secs_listener(count)
   try:
-    eager_activations = embedding_lookup(plan, variables.tables, batch)
-    eager_update = apply_embedding_gradients(plan, variables, batch, grads, 3)
+    eager_activations, eager_update = eager_calls(3)
+    first_call = len(compiles)
+    # The same plan and shapes again (another step): every program is reused.
+    repeated = jax.tree.map(np.asarray, eager_calls(4))
   finally:
     jax.monitoring.unregister_event_duration_listener(count)
   # One program per stack and primitive, plus a few small ones (reshapes, the step's cast).
-  assert len(compiles) <= 2 * len(plan.layout.stacks) + 6, len(compiles)
+  assert first_call <= 2 * len(plan.layout.stacks) + 6, first_call
+  assert len(compiles) == first_call, f"{len(compiles) - first_call} compilations on the second call"
+  jax.tree.map(assert_same_bits, repeated[0], jax.tree.map(np.asarray, eager_activations))
   jitted_activations = jax.jit(lambda t, b: embedding_lookup(plan, t, b))(variables.tables, batch)
   jitted_update = jax.jit(lambda v, b, g: apply_embedding_gradients(plan, v, b, g, 3))(
       variables, batch, grads)
