@@ -261,13 +261,18 @@ class CheckpointManager:
     """Restores the requested items of `step` (default: the latest step).
 
     First waits for this manager's own saves in progress, so the step saved
-    last is restored, not the one before it (a failed save raises here).
+    last is restored, not the one before it (a failed save raises here). A
+    read-only manager first lists the steps again: a job writing the
+    directory may have saved newer ones and deleted older ones since.
 
     Returns:
       item name -> restored value (the embedding item under `embedding_item`).
 
     Raises:
-      NotACheckpointError: no complete step exists, or `step` is not one.
+      NotACheckpointError: no complete step exists, or `step` is not one, or
+        was deleted while it was being restored (by the retention of a job
+        writing the directory; with step None the newest step left is
+        restored instead).
       MissingItemError: the step (with step None: the latest) never saved a
         requested item; the message names the steps that hold it.
       CorruptCheckpointError: a file of a requested item is missing, truncated,
@@ -276,31 +281,71 @@ class CheckpointManager:
         than the requested tree (naming the parameter, both shapes, the step).
     """
     args = self._composite(embedding, items, (EmbeddingRestore, TableRestore))
-    if not self._read_only:
+    if self._read_only:
+      # A job may be writing this directory: see the steps it saved since,
+      # and not those its retention deleted.
+      self._manager.reload()
+    else:
       # This manager's own saves still being written are not complete steps
       # yet: the newest would be missed (or taken for a damaged one).
       self.wait_until_finished()
-    if step is not None:
-      if step not in self.all_steps():
-        raise NotACheckpointError(
-            f"{self._directory} has no complete checkpoint for step {step}; its steps are"
-            f" {self.all_steps()}.{self._why_not_complete(step)}"
-        )
+    if step is None:
+      return self._restore_latest(args, embedding)
+    if step not in self.all_steps():
+      raise NotACheckpointError(
+          f"{self._directory} has no complete checkpoint for step {step}; its steps are"
+          f" {self.all_steps()}.{self._why_not_complete(step)}"
+      )
+    try:
       return self._restore_verified(step, args, embedding)
+    except Exception as error:
+      if self._step_exists(step):
+        raise
+      raise self._deleted_while_restoring(step) from error
+
+  def _restore_latest(self, args: ocp.args.Composite, embedding) -> dict[str, Any]:
+    """Restores the newest complete step that restores, skipping damaged ones (warned).
+
+    A step deleted while it was read (another job's retention) is not
+    damage: the steps are listed again and the newest one left is tried.
+    """
     last_error: CorruptCheckpointError | None = None
-    for candidate in reversed(self.all_steps()):
+    tried: set[int] = set()
+    candidates = list(reversed(self.all_steps()))
+    while candidates:
+      candidate = candidates.pop(0)
+      tried.add(candidate)
       broken = self._incremental.broken(candidate)  # A delta whose chain lacks a link.
       if broken is not None:
         _steps.warn_skipped(self._directory / str(candidate), broken.rstrip("."))
         continue
       try:
         return self._restore_verified(candidate, args, embedding)
-      except CorruptCheckpointError as error:
+      except Exception as error:
+        if not self._step_exists(candidate):
+          self._manager.reload()
+          candidates = [s for s in reversed(self.all_steps()) if s not in tried]
+          continue
+        if not isinstance(error, CorruptCheckpointError):
+          raise
         last_error = error
         _steps.warn_skipped(self._directory / str(candidate), str(error).rstrip("."))
     if last_error is not None:
       raise last_error
     raise NotACheckpointError(f"{self._directory} holds no complete checkpoint to restore.")
+
+  def _step_exists(self, step: int) -> bool:
+    step_dir = self._directory / str(step)
+    return step_dir.exists() or _integrity.is_link(step_dir)
+
+  def _deleted_while_restoring(self, step: int) -> NotACheckpointError:
+    self._manager.reload()
+    return NotACheckpointError(
+        f"checkpoint step {step} ({self._directory / str(step)}) was deleted while it was being"
+        f" restored: the job writing {self._directory} removed it (its retention, keep_latest"
+        f" and keep_best). Restore a step it keeps: its steps are now {self.all_steps()}"
+        " (restore(None) takes the newest)."
+    )
 
   def _restore_verified(self, step: int, args: ocp.args.Composite, embedding) -> dict[str, Any]:
     """Verifies the files of the requested items, checks dense shapes, then restores."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -263,6 +265,64 @@ def test_a_read_only_manager_restores_and_deletes_nothing(tmp_path):
   # A writing manager cleans the unfinished save up.
   ck.CheckpointManager(tmp_path).close()
   assert not in_progress.exists()
+
+
+def test_a_read_only_manager_sees_the_steps_a_writing_job_keeps(tmp_path):
+  """An evaluator's manager opened beside a training job: the job's retention deletes the
+  steps the evaluator listed, and saves newer ones."""
+  model, layout, embedding = _state()
+  restore = ck.EmbeddingRestore(layout, make_mesh(4), AXIS)
+  with ck.CheckpointManager(tmp_path, keep_latest=2) as writer:
+    writer.save(1, embedding)
+    writer.save(2, embedding)
+    writer.wait_until_finished()
+    with ck.CheckpointManager(tmp_path, read_only=True) as reader:
+      assert reader.all_steps() == [1, 2]
+      writer.save(3, embedding)
+      writer.wait_until_finished()
+      assert not (tmp_path / "1").exists()  # the job's retention
+      with pytest.raises(ck.NotACheckpointError, match=re.escape(
+          "has no complete checkpoint for step 1; its steps are [2, 3]")):
+        reader.restore(1, restore)
+      with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        restored = reader.restore(None, restore)
+      assert reader.latest_step() == 3
+  model.check(layout, restored["embedding"].tables, restored["embedding"].slots)
+
+
+@pytest.mark.parametrize("step", [None, 3])
+def test_a_step_deleted_while_it_is_restored_is_named_not_reported_as_damage(
+    tmp_path, monkeypatch, step):
+  """The job's retention deletes the step between the reader's listing and its read."""
+  model, layout, embedding = _state()
+  with ck.CheckpointManager(tmp_path, keep_latest=3) as writer:
+    for saved in (1, 2, 3):
+      writer.save(saved, embedding)
+  reader = ck.CheckpointManager(tmp_path, read_only=True)
+  read = reader.orbax_manager.restore
+  deleted = []
+
+  def restore_racing_retention(at, *args, **kwargs):
+    if not deleted:  # the first read only
+      deleted.append(at)
+      shutil.rmtree(tmp_path / str(at))
+    return read(at, *args, **kwargs)
+
+  monkeypatch.setattr(reader.orbax_manager, "restore", restore_racing_retention)
+  restore = ck.EmbeddingRestore(layout, make_mesh(4), AXIS)
+  with reader, warnings.catch_warnings():
+    warnings.simplefilter("error")  # no "skipped, damaged" warning
+    if step is None:  # the newest step left is restored
+      restored = reader.restore(None, restore)
+      model.check(layout, restored["embedding"].tables, restored["embedding"].slots)
+      assert deleted == [3] and reader.all_steps() == [1, 2]
+    else:
+      with pytest.raises(ck.NotACheckpointError, match=re.escape(
+          f"checkpoint step 3 ({tmp_path / '3'}) was deleted while it was being restored: the"
+          f" job writing {tmp_path} removed it (its retention, keep_latest and keep_best)."
+          " Restore a step it keeps: its steps are now [1, 2]")):
+        reader.restore(step, restore)
 
 
 def test_a_path_with_a_backslash_is_refused_before_anything_is_written(tmp_path, monkeypatch):
