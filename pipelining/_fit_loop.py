@@ -267,8 +267,8 @@ class StepEnd:
   save_every: int | None
   save_on_nonfinite: bool
 
-  def __call__(self, result: StepResult) -> LoopState:
-    """Handles one update; returns its state.
+  def __call__(self, result: StepResult) -> None:
+    """Handles one update: its metrics, callbacks, evaluation and save.
 
     A checkpoint due at this step is started even when a callback or the
     evaluation raises (the exception then propagates).
@@ -301,7 +301,6 @@ class StepEnd:
       # due at this step: the update is applied, so its state is saved.
       if self.save is not None and self.save_every is not None and step % self.save_every == 0:
         self.save(state)
-    return state
 
   def final(self, state: LoopState, interrupted: bool) -> None:
     """What follows the last update: the final evaluation and the final save.
