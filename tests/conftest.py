@@ -5,10 +5,11 @@ set here, before any test module imports jax.
 
 Many tests build the same model and compile the same programs (a Trainer's
 steps, a plan's lookup): jax's persistent compilation cache, in a directory
-of this run's own that is removed when it ends, compiles each program once
-per run instead of once per test. A program read from the cache is the
-program XLA compiled, so results are the same bits. It halves the time of
-the Trainer tests.
+of the test process's own that is removed when it ends, compiles each
+program once per process (one per pytest-xdist worker) instead of once per
+test. A program read from the cache is the program XLA compiled, so results
+are the same bits. It halves the time of the Trainer tests. Processes that
+tests start (multiprocess jobs, killed workers) do not use it.
 """
 
 import atexit
