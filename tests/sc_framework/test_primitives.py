@@ -54,6 +54,7 @@ from sc_framework.primitives import (
 )
 from sc_framework.primitives._row_ops import cpu_kernels_available
 from sc_framework.stacking import logical_to_global_rows, unstack
+from tests.compiles import count_compiles
 from tests.numerics import assert_close, assert_same_bits
 
 PADDING_ID = -1
@@ -808,25 +809,16 @@ def test_eager_calls_compile_one_program_per_stack():
   batch, _ = preprocess(raw.inputs, features, plan.layout, padding_id=PADDING_ID)
   grads = {name: jnp.asarray(g)
            for name, g in _activation_grads(np.random.default_rng(12), features).items()}
-  compiles = []
-
-  def count(event, duration, **kwargs):
-    del duration, kwargs
-    if event == "/jax/core/compile/backend_compile_duration":
-      compiles.append(event)
 
   def eager_calls(step):
     return (embedding_lookup(plan, variables.tables, batch),
             apply_embedding_gradients(plan, variables, batch, grads, step))
 
-  jax.monitoring.register_event_duration_secs_listener(count)
-  try:
+  with count_compiles() as compiles:
     eager_activations, eager_update = eager_calls(3)
     first_call = len(compiles)
     # The same plan and shapes again (another step): every program is reused.
     repeated = jax.tree.map(np.asarray, eager_calls(4))
-  finally:
-    jax.monitoring.unregister_event_duration_listener(count)
   # One program per stack and primitive, plus a few small ones (reshapes, the step's cast).
   assert first_call <= 2 * len(plan.layout.stacks) + 6, first_call
   assert len(compiles) == first_call, f"{len(compiles) - first_call} compilations on the second call"

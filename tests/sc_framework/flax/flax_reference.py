@@ -16,9 +16,8 @@ References, all computed without the layers under test:
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +30,7 @@ from sc_framework.optimizers import SGD, Adam
 from sc_framework.preprocessing import DenseIds, preprocess
 from sc_framework.primitives import EmbeddingPlan, apply_embedding_gradients, embedding_lookup
 from sc_framework.stacking import unstack
+from tests.compiles import count_compiles  # noqa: F401  (the flax tests use ref.count_compiles)
 from tests.numerics import assert_close
 
 BATCH = 16
@@ -167,26 +167,6 @@ class Reference:
         "step": self.step,
         "tags_sgd": tags_sgd,
     }
-
-
-_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-
-
-@contextlib.contextmanager
-def count_compiles(fun_name: str) -> Iterator[list[str]]:
-  """Collects the XLA compilations of `fun_name` (e.g. "jit(step)") in the block."""
-  compiled: list[str] = []
-
-  def listener(event, duration, **kwargs):
-    del duration
-    if event == _BACKEND_COMPILE_EVENT and kwargs.get("fun_name") == fun_name:
-      compiled.append(fun_name)
-
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
-    yield compiled
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def assert_trees_close(actual, expected, *, steps: int, terms: int = TERMS):
