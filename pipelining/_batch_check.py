@@ -124,12 +124,12 @@ def check_unmasked(tree: Any, entry: str, where: str) -> None:
   """
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
     if isinstance(leaf, np.ma.MaskedArray):
+      name = f"{entry}{jax.tree_util.keystr(path)}"
       raise TypeError(
-          f"{where}: {entry}{jax.tree_util.keystr(path)} is a numpy masked array"
-          f" (np.ma.MaskedArray) with {int(np.ma.count_masked(leaf))} masked values; its mask"
-          " would be dropped when the batch is staged and the masked values used as data."
-          " Pass a plain array: fill the masked values (leaf.filled(value)), or drop their"
-          " samples from the batch."
+          f"{where}: {name} is a numpy masked array (np.ma.MaskedArray) with"
+          f" {int(np.ma.count_masked(leaf))} masked values; its mask would be dropped when the"
+          " batch is staged and the masked values used as data. Pass a plain array: fill the"
+          f" masked values ({name}.filled(value)), or drop their samples from the batch."
       )
 
 
