@@ -50,8 +50,12 @@ bool AdviseHugePages(const void* data, int64_t bytes) {
   if (end <= begin) return false;
   void* const range = reinterpret_cast<void*>(begin);
   if (madvise(range, end - begin, MADV_HUGEPAGE) != 0) return false;
-  constexpr int kCollapse = 25;  // MADV_COLLAPSE, absent from older headers
-  madvise(range, end - begin, kCollapse);  // refused before Linux 6.1: future faults only
+  // Refused before Linux 6.1: then only future faults get huge pages.
+#if defined(MADV_COLLAPSE)
+  madvise(range, end - begin, MADV_COLLAPSE);
+#elif defined(__x86_64__) || defined(__aarch64__)
+  madvise(range, end - begin, 25);  // MADV_COLLAPSE there; older C library headers lack it
+#endif
   return true;
 #else
   (void)data;
