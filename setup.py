@@ -32,7 +32,6 @@ _CPU_KERNEL_SOURCES = dict(
         "sc_framework/primitives/_cpu_kernels_elementwise.h",
         "sc_framework/primitives/_cpu_kernels_fused.h",
         "sc_framework/primitives/_cpu_kernels_grouping.h",
-        "sc_framework/primitives/_cpu_kernels_huge_pages.h",
         "sc_framework/primitives/_cpu_kernels_rows.h",
     ],
     language="c++",

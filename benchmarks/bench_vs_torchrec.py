@@ -22,8 +22,8 @@ Part 1, ours vs TorchRec, for SGD and row-wise Adagrad (lr 0.01):
   Two ratios, ours / TorchRec (< 1: we are faster): step = ours_step /
   torchrec and end to end = ours_e2e / torchrec; a third, overlapped =
   ours_overlap / torchrec.
-  The three cases are interleaved: every round runs each once, on that
-  round's fresh batch, so a load change on a shared machine hits all three.
+  The four cases are interleaved: every round runs each once, on that
+  round's fresh batch, so a load change on a shared machine hits all four.
   Partition limits come from two warm-up batches (size_limits_from_stats,
   headroom 1.2), so no id is dropped.
 
@@ -36,12 +36,6 @@ are interleaved the same way. Part 2 needs no TorchRec.
 
 Every figure is the median over --repeats rounds, after one warm-up round;
 the table also shows the process CPU time per call.
-
---huge-pages on (part 1 only): both sides' tables get transparent huge pages
-(Linux): ours through `host_allocator.back_tables_with_huge_pages` (the
-Trainer's host_memory="huge_pages"), TorchRec's weight and optimizer storages
-through `host_allocator.advise_huge_pages`, before the warm-up round (which
-pays the one-time copy into huge pages).
 
 TorchRec is a benchmark extra, never a dependency of the project. The set
 known to install and load together (Linux x86_64, CPU only):
@@ -56,7 +50,7 @@ known to install and load together (Linux x86_64, CPU only):
 1 is skipped with a one-line message.
 
 Run: python benchmarks/bench_vs_torchrec.py [--quick] [--repeats N] [--json PATH]
-       [--part {all,torchrec,plain-jax}] [--huge-pages {off,on}]
+       [--part {all,torchrec,plain-jax}]
 """
 
 from __future__ import annotations
@@ -74,11 +68,7 @@ import optax  # noqa: E402
 from benchmarks._common import parse_args, print_table, time_interleaved, write_json  # noqa: E402
 from benchmarks.bench_embedding import MAX_IDS, plain_jax_runner, step_fn  # noqa: E402
 from sc_framework import FeatureSpec, TableSpec  # noqa: E402
-from sc_framework.host_allocator import (  # noqa: E402
-    advise_huge_pages,
-    back_tables_with_huge_pages,
-    keep_freed_memory,
-)
+from sc_framework.host_allocator import keep_freed_memory  # noqa: E402
 from sc_framework.optimizers import FTRL, SGD, Adagrad, Adam, OptimizerSpec, RowWiseAdagrad  # noqa: E402
 from sc_framework.preprocessing import (  # noqa: E402
     RaggedIds,
@@ -190,7 +180,7 @@ class Overlapped:
 class TorchRec:
   """torchrec's FusedEmbeddingBagCollection on CPU: fbgemm's fused training step."""
 
-  def __init__(self, num_tables, vocab, dim, optimizer: str, huge_pages: bool):
+  def __init__(self, num_tables, vocab, dim, optimizer: str):
     import torch
     import torchrec
     import torchrec.optim
@@ -207,11 +197,6 @@ class TorchRec:
         tables=tables, optimizer_type=kind, optimizer_kwargs={"lr": LEARNING_RATE},
         device=torch.device("cpu"))
     self.keys = [f"f{k}" for k in range(num_tables)]
-    if huge_pages:  # every storage behind the weights and the optimizer state, once each
-      storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                  for t in self.module.state_dict().values() if isinstance(t, torch.Tensor)}
-      for address, nbytes in storages.items():
-        advise_huge_pages(address, nbytes)
 
   def train(self, raw) -> None:
     torch = self.torch
@@ -224,7 +209,7 @@ class TorchRec:
     (0.01 * torch.log(torch.cosh(pooled))).sum().backward()
 
 
-def vs_torchrec(config, repeats: int, huge_pages: bool) -> list[dict]:
+def vs_torchrec(config, repeats: int) -> list[dict]:
   num_tables, vocab, dim, batch = config
   rng = np.random.default_rng(0)
   warmup = [make_batch(rng, num_tables, batch, vocab) for _ in range(2)]
@@ -234,7 +219,7 @@ def vs_torchrec(config, repeats: int, huge_pages: bool) -> list[dict]:
                           ("rowwise_adagrad", RowWiseAdagrad(LEARNING_RATE))):
     ours = Ours(num_tables, vocab, dim, batch, optimizer, warmup)
     ready = [ours.buffers(raw) for raw in batches]
-    torchrec = TorchRec(num_tables, vocab, dim, name, huge_pages)
+    torchrec = TorchRec(num_tables, vocab, dim, name)
     overlapped = Overlapped(ours, batches[-1])
     timing = time_interleaved({
         "torchrec": lambda i: torchrec.train(batches[i]),
@@ -308,8 +293,7 @@ def main(argv=None) -> dict:
     del argv[index:index + 2]
     if part not in PARTS:
       raise SystemExit(f"--part must be one of {PARTS}, got {part!r}")
-  args = parse_args(__doc__.split("\n\n")[0], repeats=7, quick_repeats=3, argv=argv,
-                    choices={"huge-pages": ("off", "on")})
+  args = parse_args(__doc__.split("\n\n")[0], repeats=7, quick_repeats=3, argv=argv)
   config = (8, 50_000, 64, 1024) if args.quick else (26, 100_000, 64, 4096)
   allocator = "keep" if keep_freed_memory() else "system"
   num_tables, vocab, dim, batch = config
@@ -329,14 +313,9 @@ def main(argv=None) -> dict:
       import torch
       import torchrec
 
-      huge_pages = args.huge_pages == "on" and back_tables_with_huge_pages()
-      if args.huge_pages == "on" and not huge_pages:
-        print("--huge-pages on: this system has no transparent huge pages to ask for.")
-      rows = vs_torchrec(config, args.repeats, huge_pages)
-      back_tables_with_huge_pages(None)
-      pages = "huge pages (both)" if huge_pages else "4 KiB pages"
+      rows = vs_torchrec(config, args.repeats)
       print(f"\nours vs TorchRec {torchrec.__version__} (torch {torch.__version__},"
-            f" {torch.get_num_threads()} threads): {header}; {pages}")
+            f" {torch.get_num_threads()} threads): {header}")
       print_table(rows, [
           ("optimizer", "optimizer", "s"), ("torchrec_ms", "TorchRec ms", ".1f"),
           ("ours_step_ms", "ours step ms", ".1f"), ("ours_e2e_ms", "ours prep+step ms", ".1f"),
@@ -348,8 +327,7 @@ def main(argv=None) -> dict:
           ("ours_step_faults", "step page faults", ".0f"),
       ])
       result["torchrec"] = {"version": torchrec.__version__, "torch": torch.__version__,
-                            "torch_threads": torch.get_num_threads(), "huge_pages": huge_pages,
-                            "results": rows}
+                            "torch_threads": torch.get_num_threads(), "results": rows}
   if part in ("all", "plain-jax"):
     rows = vs_plain_jax(config, args.repeats)
     print(f"\nours vs plain JAX (dense gradients + optax; FTRL: the dense textbook rule): {header}")

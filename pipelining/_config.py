@@ -71,11 +71,7 @@ class TrainerConfig:
       memory stays at its peak). Threads that allocated before the Trainer
       was built keep their own heaps: build it before other programs run. It is a
       process-wide setting (`sc_framework.host_allocator`), so it is only
-      made when asked for here. "huge_pages": "keep", and tables and slots
-      of 64 MiB or more get transparent huge pages (Linux; see
-      `host_allocator.back_tables_with_huge_pages`): shorter steps on large
-      tables (a random row costs no TLB miss), for a one-time copy of each
-      table at its first update.
+      made when asked for here.
     save_on_nonfinite: save a checkpoint of the last finite state before
       raising on a NaN or infinite loss. Its data position is past the
       offending batch, which the checkpoint records as skipped: a resume
@@ -103,7 +99,7 @@ class TrainerConfig:
   eval_metrics: tuple[str, ...] = ("auc",)
   padding_id: int | None = None
   allow_id_dropping: bool = False
-  host_memory: Literal["keep", "huge_pages", "system"] = "system"
+  host_memory: Literal["keep", "system"] = "system"
   save_on_nonfinite: bool = False
   incremental: IncrementalPolicy | None = None
 
@@ -131,10 +127,9 @@ class TrainerConfig:
       )
     object.__setattr__(self, "stacking", normalize_stacking(self.stacking))
     object.__setattr__(self, "table_dtype", _table_dtype(self.table_dtype))
-    if self.host_memory not in ("keep", "huge_pages", "system"):
+    if self.host_memory not in ("keep", "system"):
       raise ValueError(
-          "TrainerConfig.host_memory must be 'keep', 'huge_pages' or 'system', got"
-          f" {self.host_memory!r}."
+          f"TrainerConfig.host_memory must be 'keep' or 'system', got {self.host_memory!r}."
       )
     if self.progress not in ("auto", "bar", "log", "off"):
       raise ValueError(

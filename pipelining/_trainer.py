@@ -54,7 +54,7 @@ from pipelining._progress import Progress, describe_run
 from pipelining._signals import install_stop_handlers, restore_handlers
 from pipelining._steps import DeviceBatch, InFlight, StepFunctions, TrainState
 from sc_framework._scalars import python_scalar
-from sc_framework.host_allocator import back_tables_with_huge_pages, keep_freed_memory
+from sc_framework.host_allocator import keep_freed_memory
 from sc_framework.preprocessing import PartitionOverflowError, preprocess
 from sc_framework.primitives import (
     DEFAULT_AXIS_NAME,
@@ -134,14 +134,12 @@ class Trainer:
       mesh = default_mesh(axis_name)
     if axis_name not in mesh.shape:
       raise ValueError(f"mesh has no axis {axis_name!r}; its axes are {mesh.axis_names}.")
-    if self.config.host_memory != "system" and all(
+    if self.config.host_memory == "keep" and all(
         device.platform == "cpu" for device in mesh.devices.flat
     ):
       # Before any program of this Trainer runs (the backend's probe is one):
       # threads that allocate after it share the heap (see host_allocator).
       keep_freed_memory()
-      if self.config.host_memory == "huge_pages":
-        back_tables_with_huge_pages()
     layout = layout_for_stacking(self.config.stacking, self._features.specs,
                                  mesh.shape[axis_name], self.config.shards_per_device)
     self.plan = EmbeddingPlan.create(self._features.specs, mesh=mesh, axis_name=axis_name,

@@ -38,7 +38,6 @@
 
 // In the order the code had when it was one file, so the compiled code is the same.
 #include "_cpu_kernels_common.h"
-#include "_cpu_kernels_huge_pages.h"
 #include "_cpu_kernels_rows.h"
 #include "_cpu_kernels_grouping.h"
 #include "_cpu_kernels_fused.h"
@@ -162,37 +161,6 @@ static PyObject* Handlers(PyObject*, PyObject*) {
   return out;
 }
 
-// set_huge_page_tables(min_bytes) -> None: tables of at least min_bytes that
-// a kernel updates in place get huge pages from then on (0: none); see
-// _cpu_kernels_huge_pages.h.
-static PyObject* SetHugePageTables(PyObject*, PyObject* args) {
-  long long min_bytes;
-  if (!PyArg_ParseTuple(args, "L", &min_bytes)) return nullptr;
-  if (min_bytes < 0) {
-    PyErr_Format(PyExc_ValueError, "min_bytes must be >= 0 (0: off), got %lld", min_bytes);
-    return nullptr;
-  }
-  HugePageTableBytes().store(min_bytes);
-  Py_RETURN_NONE;
-}
-
-// advise_huge_pages(address, nbytes) -> bool: AdviseHugePages on the memory
-// at an integer address (a buffer the caller owns), with the GIL released.
-static PyObject* AdviseHugePagesAt(PyObject*, PyObject* args) {
-  unsigned long long address;
-  long long bytes;
-  if (!PyArg_ParseTuple(args, "KL", &address, &bytes)) return nullptr;
-  if (bytes < 0) {
-    PyErr_Format(PyExc_ValueError, "nbytes must be >= 0, got %lld", bytes);
-    return nullptr;
-  }
-  bool advised;
-  Py_BEGIN_ALLOW_THREADS;
-  advised = AdviseHugePages(reinterpret_cast<const void*>(static_cast<uintptr_t>(address)), bytes);
-  Py_END_ALLOW_THREADS;
-  return PyBool_FromLong(advised);
-}
-
 // cpu_supports_x86_64_v3() -> bool: whether this CPU runs x86-64-v3 code.
 // GCC 12 and newer ask for the level itself; older compilers (which must
 // still build this generic module) for its vector and bit instructions,
@@ -223,10 +191,6 @@ static PyMethodDef kMethods[] = {
     {"handlers", Handlers, METH_NOARGS, "XLA FFI handlers of the CPU embedding kernels."},
     {"cpu_supports_x86_64_v3", CpuSupportsX8664V3, METH_NOARGS,
      "Whether this CPU runs the x86-64-v3 build of the kernels (AVX2, FMA, BMI)."},
-    {"set_huge_page_tables", SetHugePageTables, METH_VARARGS,
-     "Huge pages for tables of at least min_bytes updated in place from now on (0: off)."},
-    {"advise_huge_pages", AdviseHugePagesAt, METH_VARARGS,
-     "Asks Linux to back the memory at an address with huge pages; whether it accepted."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -203,10 +203,10 @@ ffi::Error ElementwiseStep(const char* kernel, ffi::Buffer<ffi::F32> table,
   SC_RETURN_IF_ERROR(input.Check(kernel, count, dim));
   SC_RETURN_IF_ERROR(CheckCount(kernel, "dims", dims.dimensions(), count, "one per index"));
   SC_RETURN_IF_ERROR(CheckHyper(kernel, hyper, Rule::kHyper, Rule::kHyperMeaning));
-  StartInPlace(table_out->typed_data(), table.typed_data(), rows * dim);
+  CopyIfNotAliased(table_out->typed_data(), table.typed_data(), rows * dim);
   std::array<float*, Rule::kSlots> slot_data;
   for (int s = 0; s < Rule::kSlots; ++s) {
-    StartInPlace(slots_out[s]->typed_data(), slots[s].typed_data(), rows * dim);
+    CopyIfNotAliased(slots_out[s]->typed_data(), slots[s].typed_data(), rows * dim);
     slot_data[s] = slots_out[s]->typed_data();
   }
   input.With(count, [&](const auto& grads) {

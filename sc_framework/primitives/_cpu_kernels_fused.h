@@ -15,7 +15,6 @@
 
 #include "_cpu_kernels_common.h"
 #include "_cpu_kernels_grouping.h"
-#include "_cpu_kernels_huge_pages.h"
 
 namespace {
 
@@ -183,6 +182,11 @@ void RowwiseAdagradUpdate(float* table, float* accumulator, int64_t rows, int64_
       });
 }
 
+// Starts an in-place output from its input when XLA did not alias them.
+void CopyIfNotAliased(float* out, const float* in, int64_t count) {
+  if (out != in) std::memcpy(out, in, count * sizeof(float));
+}
+
 // Fused optimizer updates for the built-in SGD and row-wise Adagrad with the
 // shared options: one pass per touched row (read the row, its slot and its
 // gradient; write in place), instead of gather -> elementwise rule ->
@@ -251,7 +255,7 @@ ffi::Error SgdStep(const char* kernel, ffi::Buffer<ffi::F32> table, ffi::Buffer<
   SC_RETURN_IF_ERROR(input.Check(kernel, count, dim));
   SC_RETURN_IF_ERROR(CheckCount(kernel, "dims", dims.dimensions(), count, "one per index"));
   SC_RETURN_IF_ERROR(CheckHyper(kernel, hyper, 1, "{learning rate, row options}"));
-  StartInPlace(out->typed_data(), table.typed_data(), rows * dim);
+  CopyIfNotAliased(out->typed_data(), table.typed_data(), rows * dim);
   input.With(count, [&](const auto& grads) {
     SgdUpdate(out->typed_data(), rows, dim, index.typed_data(), count, grads, dims.typed_data(),
               hyper.typed_data());
@@ -273,8 +277,8 @@ ffi::Error RowwiseAdagradStep(const char* kernel, ffi::Buffer<ffi::F32> table,
   SC_RETURN_IF_ERROR(input.Check(kernel, count, dim));
   SC_RETURN_IF_ERROR(CheckCount(kernel, "dims", dims.dimensions(), count, "one per index"));
   SC_RETURN_IF_ERROR(CheckHyper(kernel, hyper, 2, "{learning rate, eps, row options}"));
-  StartInPlace(table_out->typed_data(), table.typed_data(), rows * dim);
-  StartInPlace(accumulator_out->typed_data(), accumulator.typed_data(), rows);
+  CopyIfNotAliased(table_out->typed_data(), table.typed_data(), rows * dim);
+  CopyIfNotAliased(accumulator_out->typed_data(), accumulator.typed_data(), rows);
   input.With(count, [&](const auto& grads) {
     RowwiseAdagradUpdate(table_out->typed_data(), accumulator_out->typed_data(), rows, dim,
                          index.typed_data(), count, grads, dims.typed_data(), hyper.typed_data());

@@ -12,7 +12,6 @@
 #include <cstring>
 
 #include "_cpu_kernels_common.h"
-#include "_cpu_kernels_huge_pages.h"
 
 namespace {
 
@@ -54,7 +53,9 @@ ffi::Error ScatterRowsImpl(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> in
   SC_RETURN_IF_ERROR(CheckDims(kKernel, "rows", values.dimensions(), {count, dim},
                                "[K, D]: one row of the table's width per index"));
   float* target = out->typed_data();
-  StartInPlace(target, table.typed_data(), rows * dim);
+  if (target != table.typed_data()) {  // not aliased: start from a copy
+    std::memcpy(target, table.typed_data(), rows * dim * sizeof(float));
+  }
   const int32_t* idx = index.typed_data();
   const float* source = values.typed_data();
   ParallelFor(count, NumThreads(count * dim), [&](int64_t begin, int64_t end) {

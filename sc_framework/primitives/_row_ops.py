@@ -140,11 +140,6 @@ def _kernels_module():
   return _cpu_kernels
 
 
-def loaded_cpu_kernels():
-  """The C++ kernels module this process runs (built, registered, probed), or None."""
-  return _kernels_module() if cpu_kernels_available() else None
-
-
 def cpu_kernels_build() -> str | None:
   """Which build of the C++ kernels this process runs: "x86-64-v3", "generic" or None (none works)."""
   if not cpu_kernels_available():
