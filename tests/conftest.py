@@ -1,4 +1,4 @@
-"""Test configuration: 8 host CPU devices for the sharded tests, one XLA cache per run.
+"""Test configuration: 8 host CPU devices for the sharded tests, an XLA cache per process.
 
 XLA reads the device flag once, when jax initialises its backends, so it is
 set here, before any test module imports jax.

@@ -30,7 +30,6 @@ from sc_framework.optimizers import SGD, Adam
 from sc_framework.preprocessing import DenseIds, preprocess
 from sc_framework.primitives import EmbeddingPlan, apply_embedding_gradients, embedding_lookup
 from sc_framework.stacking import unstack
-from tests.compiles import count_compiles  # noqa: F401  (the flax tests use ref.count_compiles)
 from tests.numerics import assert_close
 
 BATCH = 16

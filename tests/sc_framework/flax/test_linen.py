@@ -20,6 +20,7 @@ import optax
 import pytest
 
 import flax_reference as ref
+from tests.compiles import count_compiles
 from tests.numerics import assert_close
 from sc_framework.flax import (
     EMBEDDING_COLLECTION,
@@ -94,7 +95,7 @@ def trained(geometry: str) -> dict:
   plan = LinenSparseEmbed(ref.FEATURES, mesh=ref.mesh(num_devices), shards_per_device=shards).plan
   step = make_linen_train_step(model, ref.DENSE_TX, loss_fn)
   records = {}
-  with ref.count_compiles("jit(step)") as compiled:
+  with count_compiles("jit(step)") as compiled:
     for seed in SEEDS:
       raw, _ = ref.raw_batch(1000 * seed)
       state = init_linen_train_state(

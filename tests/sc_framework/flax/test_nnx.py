@@ -19,6 +19,7 @@ import pytest
 from flax import nnx
 
 import flax_reference as ref
+from tests.compiles import count_compiles
 from tests.numerics import assert_close, assert_same_bits
 from sc_framework.flax import (
     EmbeddingVariable,
@@ -73,7 +74,7 @@ def trained(geometry: str) -> dict:
   num_devices, shards = GEOMETRIES[geometry]
   step = make_nnx_train_step(loss_fn)
   records, plan = {}, None
-  with ref.count_compiles("jit(_pure_step)") as compiled:
+  with count_compiles("jit(_pure_step)") as compiled:
     for seed in SEEDS:
       model = Model(num_devices, shards, rngs=nnx.Rngs(seed))
       plan = model.embed.plan
@@ -223,7 +224,7 @@ def test_state_updated_by_the_loss_is_kept():
   optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
   step = make_nnx_train_step(lambda m, batch, labels: jnp.mean((m(batch) - labels) ** 2))
   mean_before = np.asarray(model.norm.mean.get_value())
-  with ref.count_compiles("jit(_pure_step)") as compiled:
+  with count_compiles("jit(_pure_step)") as compiled:
     for k in range(STEPS):
       raw, labels = ref.raw_batch(k)
       assert np.isfinite(float(step(model, optimizer, ref.preprocessed(raw, model.embed.plan.layout), labels)))
