@@ -285,15 +285,9 @@ def vs_plain_jax(config, repeats: int) -> list[dict]:
 
 
 def main(argv=None) -> dict:
-  argv = list(sys.argv[1:] if argv is None else argv)
-  part = "all"
-  if "--part" in argv:
-    index = argv.index("--part")
-    part = argv[index + 1] if index + 1 < len(argv) else ""
-    del argv[index:index + 2]
-    if part not in PARTS:
-      raise SystemExit(f"--part must be one of {PARTS}, got {part!r}")
-  args = parse_args(__doc__.split("\n\n")[0], repeats=7, quick_repeats=3, argv=argv)
+  args = parse_args(__doc__.split("\n\n")[0], repeats=7, quick_repeats=3, argv=argv,
+                    choices={"part": PARTS})
+  part = args.part
   config = (8, 50_000, 64, 1024) if args.quick else (26, 100_000, 64, 4096)
   allocator = "keep" if keep_freed_memory() else "system"
   num_tables, vocab, dim, batch = config
