@@ -375,6 +375,16 @@ class Trainer:
     """
     self._stop_requested.set()
 
+  @property
+  def stop_requested(self) -> bool:
+    """Whether this process asked the current (or last) fit to stop.
+
+    Set by `request_stop()`, SIGTERM or a first SIGINT during fit (a second
+    SIGINT aborts); each fit starts with it cleared. A data iterator or a
+    callback can read it to stop work that fit will not use.
+    """
+    return self._stop_requested.is_set()
+
   def _any_process(self, *flags: bool) -> tuple[bool, ...]:
     return any_process(flags, self._batch_sharding(), self.plan.num_devices,
                        len(self._local_devices))

@@ -299,7 +299,9 @@ def test_a_stop_requested_while_fit_waits_for_a_batch_leaves_that_batch_untaken(
   data = slow_data() if one_shot else _Replayed(slow_data)
   history = trainer.fit(data, callbacks=[AtStep(waiting_after, lambda _: loop_waits.set())])
   assert history.interrupted and history.final_step == waiting_after
+  assert trainer.stop_requested  # until the next fit starts
   assert trainer.fit(data).final_step == 7
+  assert not trainer.stop_requested
   reference = make_trainer(None, pipelining)
   reference.fit(batches)
   assert_same_run(trainer, reference)

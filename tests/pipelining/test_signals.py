@@ -40,7 +40,7 @@ def test_a_second_ctrl_c_aborts_a_fit_whose_data_hangs(tmp_path, pipelining):
   with pytest.raises(KeyboardInterrupt, match="second SIGINT"):
     trainer.fit(_hanging_after(make_batches(8, seed=90), 4, hang_s=2.0,
                                ready=lambda: (trainer.latest_checkpoint_step() or 0) >= 2,
-                               first_handled=trainer._stop_requested.is_set))
+                               first_handled=lambda: trainer.stop_requested))
   assert signal.getsignal(signal.SIGINT) is before
   # The checkpoints written before the abort are intact: a new fit resumes.
   resumed = make_trainer(tmp_path, pipelining)
