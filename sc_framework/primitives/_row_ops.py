@@ -42,6 +42,7 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 
 from sc_framework.optimizers import FTRL, SGD, Adagrad, Adam, OptimizerSpec, RowWiseAdagrad
@@ -171,7 +172,12 @@ def cpu_kernels_available() -> bool:
     warnings.warn(
         f"the built CPU kernels ({kernels.__name__}) do not work here"
         f" ({type(error).__name__}: {error}); using the portable XLA ops instead, which are"
-        " slower on CPU. Reinstall the package with this jax/jaxlib version to rebuild them.",
+        " slower on CPU. pip compiles the kernels against the jaxlib of its build"
+        " environment (pyproject.toml's build requirements), not the installed one;"
+        f" this process runs jaxlib {jaxlib.__version__}. To rebuild them against it:"
+        " pip install 'setuptools>=77', then pip install --no-build-isolation --no-deps"
+        " --force-reinstall with this package's source (its directory; -e DIR for an"
+        " editable install).",
         RuntimeWarning, stacklevel=2,
     )
     return False

@@ -16,6 +16,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 import pytest
 
@@ -280,8 +281,11 @@ def test_broken_cpu_kernels_fall_back_with_a_warning(monkeypatch):
     raise OSError("undefined symbol: XLA_FFI_Api (simulated)")
 
   monkeypatch.setattr(kernels, "handlers", broken)
-  with pytest.warns(RuntimeWarning, match=r"do not work here \(OSError: undefined symbol"):
+  with pytest.warns(RuntimeWarning, match=r"do not work here \(OSError: undefined symbol") as got:
     assert _row_ops.cpu_kernels_available.__wrapped__() is False
+  message = str(got[0].message)  # what to do about it, for this jaxlib
+  assert f"this process runs jaxlib {jaxlib.__version__}" in message
+  assert "pip install --no-build-isolation --no-deps --force-reinstall" in message
 
 
 _OPTION_SETS = {
