@@ -400,11 +400,15 @@ def _read_chunk(file: str, target: np.ndarray) -> None:
 def crc32c_of(data: np.ndarray, crc: int = 0) -> int:
   """CRC32C of a C-contiguous array's bytes (extending `crc`), without copying them.
 
-  google-crc32c takes only buffers without a release hook (bytes, not numpy
-  or memoryview), so the bytes are passed as a ctypes view of the same
-  memory; the array stays referenced for the duration of the call.
+  google-crc32c's C extension takes only buffers without a release hook
+  (bytes, not numpy or memoryview), so the bytes are passed as a ctypes view
+  of the same memory; the array stays referenced for the duration of the
+  call. Its pure-Python fallback (where no wheel with the extension exists)
+  reads its input as a sequence of ints, which a byte memoryview is.
   """
   data = np.ascontiguousarray(data)
+  if google_crc32c.implementation != "c":
+    return google_crc32c.extend(crc, memoryview(data.reshape(-1).view(np.uint8)))
   view = (ctypes.c_char * data.nbytes).from_address(data.ctypes.data)
   return google_crc32c.extend(crc, view)
 

@@ -269,3 +269,20 @@ def test_chunk_writer_reports_unfinished_chunks_and_never_overwrites(tmp_path):
   assert writer.unfinished() == [0]
   with pytest.raises(FileExistsError):
     _direct.ChunkWriter(path, 4, 10).write(4, data[4:8])
+
+
+@pytest.mark.parametrize("shape", [(37, 5), (0, 5), (3,)])
+def test_chunk_checksums_are_the_same_with_google_crc32cs_pure_python_fallback(
+    monkeypatch, shape):
+  """Where no wheel with its C extension exists, google-crc32c runs Python code,
+  which reads its input as ints: the chunk checksums must not depend on it."""
+  import google_crc32c
+  from google_crc32c import python as pure_python
+
+  data = np.random.default_rng(len(shape)).standard_normal(shape).astype(np.float32)
+  want = google_crc32c.value(data.tobytes())
+  assert _direct.crc32c_of(data) == want
+  monkeypatch.setattr(_direct.google_crc32c, "implementation", "python")
+  monkeypatch.setattr(_direct.google_crc32c, "extend", pure_python.extend)
+  assert _direct.crc32c_of(data) == want
+  assert _direct.crc32c_of(data[1:], crc=_direct.crc32c_of(data[:1])) == want
