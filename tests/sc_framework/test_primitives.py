@@ -658,9 +658,11 @@ def test_eight_devices_equal_one_device(opt_name, geometry, combiners):
 @pytest.mark.parametrize("seed", [3, 4])
 def test_stacked_lookup_holds_each_features_activations_in_its_rows(geometry, seed):
   """stacked_lookup is embedding_lookup before the cut into features: split,
-  it gives the same activations bit for bit (the same combine), and it puts
-  feature f's samples of device g at the rows the layout says; joining the
-  features again restores it exactly (padding columns are zeros)."""
+  it gives the same activations (another program, so within the tolerance of
+  its sums: XLA may fuse and order them otherwise, as on GPU), and it puts
+  feature f's samples of device g at the rows the layout says; splitting and
+  joining move data only, so they restore the stacked array bit for bit
+  (padding columns are zeros)."""
   features = _features(SGD(0.5), ("sum", "mean"))
   plan = _plan(features, *GEOMETRIES[geometry])
   rng = np.random.default_rng(seed)
@@ -684,7 +686,8 @@ def test_stacked_lookup_holds_each_features_activations_in_its_rows(geometry, se
       split = jax.jit(lambda s: split_stacked_activations(plan, s))(stacked)
       assert set(split) == set(per_feature)
       for feature in features:
-        assert_same_bits(split[feature.name], per_feature[feature.name])
+        assert_close(split[feature.name], per_feature[feature.name],
+                     terms=_sum_terms(features))
         assert_close(split[feature.name], expected[feature.name],
                      terms=_sum_terms(features))
       for stack in plan.layout.stacks:
@@ -698,9 +701,9 @@ def test_stacked_lookup_holds_each_features_activations_in_its_rows(geometry, se
           dim = spec.table.embedding_dim
           rows = blocks[:, start:start + per_device]
           assert_same_bits(rows[..., :dim].reshape(-1, dim),
-                           np.asarray(per_feature[feature.name]).reshape(-1, dim))
+                           np.asarray(split[feature.name]).reshape(-1, dim))
           assert not rows[..., dim:].any(), (stack.name, feature.name)
-      again = jax.jit(lambda a: stack_activations(plan, a))(per_feature)
+      again = jax.jit(lambda a: stack_activations(plan, a))(split)
       for stack_name, array in stacked.items():
         assert_same_bits(again[stack_name], array)
         assert again[stack_name].sharding.is_equivalent_to(array.sharding, array.ndim)
