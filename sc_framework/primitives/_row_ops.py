@@ -148,11 +148,24 @@ def cpu_kernels_build() -> str | None:
   return "x86-64-v3" if _kernels_module().__name__.endswith("_x86_64_v3") else "generic"
 
 
+def _has_cpu_backend() -> bool:
+  """Whether jax runs a CPU backend in this process (JAX_PLATFORMS can leave it out)."""
+  try:
+    jax.local_devices(backend="cpu")
+  except RuntimeError:  # "Unknown backend cpu"
+    return False
+  return True
+
+
 @functools.cache
 def cpu_kernels_available() -> bool:
-  """Whether the C++ kernels are built, registered and pass a probe call."""
+  """Whether the C++ kernels are built, registered and pass a probe call.
+
+  False without a warning where they are not built, or where this process
+  has no CPU backend (JAX_PLATFORMS=cuda, say): no plan can use them there.
+  """
   kernels = _kernels_module()
-  if kernels is None:
+  if kernels is None or not _has_cpu_backend():
     return False
   try:
     handlers = kernels.handlers()

@@ -288,6 +288,21 @@ def test_broken_cpu_kernels_fall_back_with_a_warning(monkeypatch):
   assert "pip install --no-build-isolation --no-deps --force-reinstall" in message
 
 
+def test_without_a_cpu_backend_the_kernels_are_unavailable_without_a_warning(monkeypatch):
+  """JAX_PLATFORMS=cuda leaves jax no CPU backend: the kernels cannot serve any
+  plan there, which is no build problem to warn about."""
+  pytest.importorskip("sc_framework.primitives._cpu_kernels")
+  from sc_framework.primitives import _row_ops
+
+  def no_cpu_backend(backend=None, **kwargs):
+    raise RuntimeError(f"Unknown backend {backend}. Available backends are ['cuda']")
+
+  monkeypatch.setattr(_row_ops.jax, "local_devices", no_cpu_backend)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert _row_ops.cpu_kernels_available.__wrapped__() is False
+
+
 _OPTION_SETS = {
     "none": {},
     "clipvalue": dict(clipvalue=0.3),
