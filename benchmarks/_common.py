@@ -14,6 +14,7 @@ import math
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -22,6 +23,23 @@ try:
   import resource
 except ImportError:  # not a POSIX system: page faults are not counted
   resource = None
+
+
+def default_to_host_devices(count: int) -> None:
+  """Before jax is imported: run on `count` host CPU devices unless JAX_PLATFORMS
+  names the platform.
+
+  With JAX_PLATFORMS unset, this sets it to "cpu" and asks XLA for `count`
+  host devices (--xla_force_host_platform_device_count). With JAX_PLATFORMS
+  set (e.g. "cuda" or "tpu"), the script runs on that platform's devices:
+  as many as it has, up to `count`.
+  """
+  if "jax" in sys.modules:
+    raise RuntimeError("default_to_host_devices must run before jax is imported")
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  flag = f"--xla_force_host_platform_device_count={count}"
+  if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
 
 
 def parse_args(description: str, *, repeats: int = 10, quick_repeats: int = 3,
@@ -127,15 +145,22 @@ def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str
 
 
 def machine_info() -> dict[str, Any]:
-  """What the figures were measured on (no paths, no host names)."""
+  """What the figures were measured on (no paths, no host names): also jax's
+  version, backend and device kind when the script has imported jax."""
   import numpy
 
-  return {
+  info = {
       "python": platform.python_version(),
       "numpy": numpy.__version__,
       "machine": platform.machine(),
       "cpu_count": os.cpu_count(),
   }
+  if "jax" in sys.modules:
+    import jax
+
+    info.update(jax=jax.__version__, backend=jax.default_backend(),
+                device=jax.devices()[0].device_kind, device_count=jax.device_count())
+  return info
 
 
 def _strict(value: Any) -> Any:

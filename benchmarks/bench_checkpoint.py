@@ -2,6 +2,9 @@
 
 Setup: 8 host CPU devices, 4 tables of V rows x 128 float32 in 2 stacks,
 row-wise Adagrad slots ([V_s, 1]); about 2 GiB in all (--quick: 246 MiB).
+With JAX_PLATFORMS=cuda (or tpu) the arrays live on up to 8 of that
+platform's devices instead, and the restore layouts below use at most as
+many devices as there are.
 Every timed run starts from device arrays and ends with files, or with
 device arrays, on both sides:
 
@@ -59,14 +62,13 @@ import textwrap
 import time
 from collections.abc import Callable
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (
-      os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-  ).strip()
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+
+from benchmarks._common import default_to_host_devices, parse_args, print_table, write_json  # noqa: E402,I001
+
+default_to_host_devices(8)  # before jax is imported
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -74,7 +76,6 @@ import orbax.checkpoint as ocp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import checkpoint as ck  # noqa: E402
-from benchmarks._common import parse_args, print_table, write_json  # noqa: E402
 from sc_framework import FeatureSpec, TableSpec, stack_tables  # noqa: E402
 from sc_framework.optimizers import RowWiseAdagrad  # noqa: E402
 from sc_framework.stacking import stack  # noqa: E402
@@ -117,6 +118,11 @@ def _nbytes(tables, slots) -> int:
   return sum(a.nbytes for a in tables.values()) + sum(
       a.nbytes for s in slots.values() for a in s.values()
   )
+
+
+def _shape(layout) -> str:
+  """A layout's (devices, shards per device), as the case names show it."""
+  return f"({layout.num_devices},{layout.shards_per_device})"
 
 
 def _arrays(tables, slots):
@@ -220,15 +226,17 @@ def main() -> None:
   args = parse_args(__doc__.splitlines()[0], repeats=3, quick_repeats=2)
   rows = 125_000 if args.quick else 1_000_000
   features = _model(rows)
-  layout = stack_tables(features, GROUPS, 8, 1)
-  mesh = Mesh(np.array(jax.devices()[:8]), (AXIS,))
+  devices = jax.devices()[:8]  # 8 host CPU devices, or up to 8 accelerators
+  layout = stack_tables(features, GROUPS, len(devices), 1)
+  mesh = Mesh(np.array(devices), (AXIS,))
   tables, slots = _state(features, layout, mesh)
   nbytes = _nbytes(tables, slots)
   slot_specs = {name: RowWiseAdagrad().slots() for name in layout.stack_names}
   work = tempfile.mkdtemp(prefix="bench_checkpoint_")
   counter = iter(range(10**6))
   print(
-      f"{nbytes / MIB:.0f} MiB of stacked tables and slots on {len(jax.devices())} CPU devices;"
+      f"{nbytes / MIB:.0f} MiB of stacked tables and slots on {len(devices)}"
+      f" {jax.default_backend()} device(s) ({devices[0].device_kind});"
       f" {args.repeats} repeats"
   )
 
@@ -298,10 +306,9 @@ def main() -> None:
 
     return save
 
-  def ours_restore(source: str, target, devices: int = 8) -> Callable[[], dict]:
-    restore_args = ck.EmbeddingRestore(
-        target, Mesh(np.array(jax.devices()[:devices]), (AXIS,)), AXIS
-    )
+  def ours_restore(source: str, target) -> Callable[[], dict]:
+    target_mesh = Mesh(np.array(devices[: target.num_devices]), (AXIS,))
+    restore_args = ck.EmbeddingRestore(target, target_mesh, AXIS)
 
     def run() -> dict:
       start = time.perf_counter()
@@ -336,8 +343,11 @@ def main() -> None:
       jax.block_until_ready(mngr.restore(0, restore_args))
       return {"s": time.perf_counter() - start}
 
-  regrouped = ck.relayout(layout, num_devices=2, shards_per_device=4, groups=REGROUPED)
-  sixteen_shards = ck.relayout(layout, num_devices=4, shards_per_device=4)
+  # Other layouts: (2,4) with other groups, and (4,4), 16 shards from 8, so
+  # that every chunk feeds 2 (with fewer devices, as many as there are).
+  regrouped = ck.relayout(layout, num_devices=min(2, len(devices)), shards_per_device=4,
+                          groups=REGROUPED)
+  more_shards = ck.relayout(layout, num_devices=min(4, len(devices)), shards_per_device=4)
   cases.add("numpy save", timed_save("numpy save", numpy_save))
   cases.add("numpy load", numpy_load)
   cases.add("orbax save", timed_save("orbax save", orbax_save))
@@ -356,13 +366,9 @@ def main() -> None:
       timed_save("manager save (crc32c + manifest)", manager_save),
   )
   cases.add("manager restore (crc32c + manifest)", manager_restore)
-  cases.add(
-      "ours restore to (2,4) regrouped", ours_restore("ours save (crc32c)", regrouped, devices=2)
-  )
-  cases.add(
-      "ours restore to (4,4) (16 shards)",
-      ours_restore("ours save (crc32c)", sixteen_shards, devices=4),
-  )
+  for name, target in ((f"ours restore to {_shape(regrouped)} regrouped", regrouped),
+                       (f"ours restore to {_shape(more_shards)}", more_shards)):
+    cases.add(name, ours_restore("ours save (crc32c)", target))
   cases.add("ours TableRestore (1 table)", table_restore)
   cases.run(args.repeats)
 
@@ -397,7 +403,7 @@ def main() -> None:
   # to (1,1) untimed) to every kind of target, beside the machine's copy rate of
   # the same files, in subprocesses that report their peak RSS.
   small_features = _model(rows // 8)
-  small_layout = stack_tables(small_features, GROUPS, 8, 1)
+  small_layout = stack_tables(small_features, GROUPS, len(devices), 1)
   small_tables, small_slots = _state(small_features, small_layout, mesh, seed=1)
   small_path = fresh()
   with ocp.Checkpointer(ck.EmbeddingCheckpointHandler()) as ckptr:

@@ -1,6 +1,7 @@
 """Incremental (delta) checkpoints vs full ones, side by side in one run.
 
-Setup: 2 host CPU devices, 2 tables in one stack, V rows in all x 64 float32
+Setup: 2 host CPU devices (with JAX_PLATFORMS=cuda or tpu: up to 2 of that
+platform's devices), 2 tables in one stack, V rows in all x 64 float32
 (full run: V = 10^7, 2.4 GiB; --quick: V = 5 * 10^5), with a row-wise Adagrad
 slot ([V_s, 1]). Updates follow a Zipf id stream (exponent 1.05, ids
 permuted so hot rows are spread over the shards): each step draws B ids and
@@ -39,14 +40,13 @@ import sys
 import tempfile
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (
-      os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
-  ).strip()
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+
+from benchmarks._common import default_to_host_devices, parse_args, print_table, write_json  # noqa: E402,I001
+
+default_to_host_devices(2)  # before jax is imported
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -54,7 +54,6 @@ import orbax.checkpoint as ocp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import checkpoint as ck  # noqa: E402
-from benchmarks._common import parse_args, print_table, write_json  # noqa: E402
 from sc_framework import FeatureSpec, TableSpec, stack_tables  # noqa: E402
 from sc_framework.optimizers import RowWiseAdagrad  # noqa: E402
 from sc_framework.stacking import logical_to_global_rows  # noqa: E402
@@ -68,8 +67,9 @@ def _setup(total_rows: int):
   half = total_rows // 2
   tables = [TableSpec(name, half, DIM, optimizer=RowWiseAdagrad()) for name in ("users", "items")]
   features = [FeatureSpec(f"f_{t.name}", t, (1024,)) for t in tables]
-  layout = stack_tables(features, [["users", "items"]], 2, 1)
-  mesh = Mesh(np.array(jax.devices()[:2]), (AXIS,))
+  devices = jax.devices()[:2]  # 2 host CPU devices, or up to 2 accelerators
+  layout = stack_tables(features, [["users", "items"]], len(devices), 1)
+  mesh = Mesh(np.array(devices), (AXIS,))
   sharding = NamedSharding(mesh, PartitionSpec(AXIS, None))
   stack = layout.stacks[0]
   key = jax.random.key(0)

@@ -22,14 +22,13 @@ import os
 import sys
 import tempfile
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (
-      os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-  ).strip()
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO, os.path.join(REPO, "tests", "checkpoint")]
+
+from benchmarks._common import default_to_host_devices  # noqa: E402
+
+default_to_host_devices(8)  # before jax is imported
 
 import fault_lib  # noqa: E402
 
