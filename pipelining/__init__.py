@@ -3,6 +3,7 @@
 from pipelining._callbacks import Callback
 from pipelining._config import TrainerConfig
 from pipelining._data import DataStream
+from pipelining._determinism import NondeterministicResumeWarning
 from pipelining._distributed import (
     DistributedError,
     DistributedJob,
@@ -23,6 +24,7 @@ __all__ = [
     "History",
     "Callback",
     "NonFiniteLossError",
+    "NondeterministicResumeWarning",
     "TrainState",
     "DeviceBatch",
     "InFlight",

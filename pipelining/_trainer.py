@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -24,6 +26,7 @@ from pipelining._batch_check import (
 from pipelining._callbacks import Callback
 from pipelining._config import TrainerConfig, check_count
 from pipelining._data import own_position, share_position
+from pipelining._determinism import NondeterministicResumeWarning, mesh_platform, resume_caveat
 from pipelining._distributed import check_agreement, check_shared_directory
 from pipelining._features import FeatureTree
 from pipelining._fit_data import FitData
@@ -177,6 +180,9 @@ class Trainer:
       from pipelining._checkpointing import TrainerCheckpoints
 
       check_shared_directory("workdir", self.config.workdir)
+      caveat = resume_caveat(mesh_platform(self.plan.mesh), os.environ.get("XLA_FLAGS", ""))
+      if caveat is not None:
+        warnings.warn(caveat, NondeterministicResumeWarning, stacklevel=2)
       self._checkpoints = TrainerCheckpoints(
           self.config.workdir, self.plan, keep=self.config.keep,
           incremental=self.config.incremental,
