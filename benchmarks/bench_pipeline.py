@@ -35,7 +35,15 @@ programs dispatched from one thread one at a time, from two threads at
 once); the difference is what running them side by side gains on this
 machine (none when each already keeps every core busy).
 
-Run: python benchmarks/bench_pipeline.py [--quick] [--config NAME] [--json PATH]
+Last, the host preparation alone (Trainer.prepare through the Prefetcher,
+as fit runs it) with 1, 2 and 4 prefetch workers: the rate at which the host
+can feed the devices. `--prefetch-workers N` trains both Trainers with N
+workers (TrainerConfig.prefetch_workers, prefetch_depth max(2, N)): where
+host preprocessing is the largest stage, as on an accelerator's host, more
+workers are what can raise both modes' throughput.
+
+Run: python benchmarks/bench_pipeline.py [--quick] [--config NAME] [--prefetch-workers N]
+       [--json PATH]
 """
 
 from __future__ import annotations
@@ -60,7 +68,7 @@ from flax import linen as nn  # noqa: E402
 
 from benchmarks._common import machine_info, parse_args, print_table, time_median  # noqa: E402
 from examples import dlrm  # noqa: E402
-from pipelining import Callback, Trainer  # noqa: E402
+from pipelining import Callback, Prefetcher, Trainer  # noqa: E402
 from pipelining._model import as_dense_model  # noqa: E402
 from sc_framework import FeatureSpec, TableSpec  # noqa: E402
 from sc_framework.optimizers import RowWiseAdagrad  # noqa: E402
@@ -160,10 +168,11 @@ def tables26_case(quick: bool) -> Case:
 CASES = {"dlrm": dlrm_case, "tables26": tables26_case}
 
 
-def make_trainer(case: Case, pipelining: bool) -> Trainer:
+def make_trainer(case: Case, pipelining: bool, prefetch_workers: int = 1) -> Trainer:
   # host_memory="keep", as the examples train.
   return Trainer(case.model, case.specs, case.loss_fn, optax.adam(1e-3), pipelining=pipelining,
-                 padding_id=-1, progress="off", host_memory="keep")
+                 padding_id=-1, progress="off", host_memory="keep",
+                 prefetch_depth=max(2, prefetch_workers), prefetch_workers=prefetch_workers)
 
 
 class StepTimes(Callback):
@@ -276,16 +285,39 @@ def stage_times(case: Case, trainer: Trainer, repeats: int) -> dict[str, dict[st
   return stages
 
 
+PREPARE_WORKERS = (1, 2, 4)
+
+
+def preparation_rate(case: Case, trainer: Trainer, rounds: int) -> dict[int, float]:
+  """Host preparation alone (Trainer.prepare through a Prefetcher, nothing
+  consuming the batches but a wait for their device copies) with 1, 2 and 4
+  workers, interleaved round by round: {workers: median ms per batch}."""
+  count = 4 * len(case.batches)
+  times: dict[int, list[float]] = {workers: [] for workers in PREPARE_WORKERS}
+  for round_index in range(rounds + 1):
+    for workers in PREPARE_WORKERS:
+      data = cycle(case.batches, 0, count)
+      start = time.perf_counter()
+      with Prefetcher(iter(data), lambda raw, index: trainer.prepare(raw), depth=max(2, workers),
+                      workers=workers) as prefetcher:
+        for prepared in prefetcher:
+          jax.block_until_ready(prepared.batch)
+      if round_index:  # the first round warms up every setting
+        times[workers].append(1e3 * (time.perf_counter() - start) / count)
+  return {workers: statistics.median(values) for workers, values in times.items()}
+
+
 # Not stages of a step: the lookup and the dense step, one after the other
 # and side by side (see the module docstring).
 SEQUENTIAL = "lookup, then dense"
 SIDE_BY_SIDE = "lookup beside dense"
 
 
-def run_case(case: Case, repeats: int) -> dict[str, Any]:
-  trainers = {mode: make_trainer(case, mode) for mode in (True, False)}
+def run_case(case: Case, repeats: int, prefetch_workers: int = 1) -> dict[str, Any]:
+  trainers = {mode: make_trainer(case, mode, prefetch_workers) for mode in (True, False)}
   result = throughput(case, trainers)
   stages = stage_times(case, trainers[False], repeats)
+  preparation = preparation_rate(case, trainers[False], max(2, repeats // 3))
   overlap = {name: stages.pop(name) for name in (SEQUENTIAL, SIDE_BY_SIDE)}
   saving = overlap[SEQUENTIAL]["ms"] - overlap[SIDE_BY_SIDE]["ms"]
   cores = os.cpu_count() or 1
@@ -321,6 +353,10 @@ def run_case(case: Case, repeats: int) -> dict[str, Any]:
         f" stage, CPU time / cores) = {sync['step_ms'] / bound:.3f} (estimate). Measured"
         f" overlap: the lookup beside the dense step saves {saving:.2f} ms over running them"
         f" one after the other")
+  print_table([{"workers": workers, "ms": ms, "speedup": preparation[1] / ms}
+               for workers, ms in preparation.items()],
+              [("workers", "prefetch workers", "d"), ("ms", "host preparation ms/batch", ".2f"),
+               ("speedup", "vs 1 worker", ".2f")])
   return {"config": case.name, "title": case.title, "stages": stages,
           "sum_of_stages_ms": stage_sum, "largest_stage": largest,
           "pipelined_step_ms": pipelined["step_ms"], "sync_step_ms": sync["step_ms"],
@@ -328,15 +364,18 @@ def run_case(case: Case, repeats: int) -> dict[str, Any]:
           "examples_per_sec_off": sync["examples_per_sec"], "ratio": ratio,
           "ratio_bound": sync["step_ms"] / stages[largest]["ms"],
           "pipelined_bound_estimate_ms": bound, "ratio_bound_estimate": sync["step_ms"] / bound,
-          "overlap": overlap, "overlap_saving_ms": saving}
+          "overlap": overlap, "overlap_saving_ms": saving,
+          "preparation_ms_by_workers": preparation}
 
 
 def main(argv=None):
   args = parse_args(__doc__.split("\n\n")[0], repeats=10, quick_repeats=3, argv=argv,
-                    choices={"config": ("all", *CASES)})
+                    choices={"config": ("all", *CASES), "prefetch-workers": ("1", "2", "4", "8")})
   names = list(CASES) if args.config == "all" else [args.config]
-  results = [run_case(CASES[name](args.quick), args.repeats) for name in names]
-  out = {"benchmark": "pipeline", "quick": args.quick, "configs": results,
+  workers = int(args.prefetch_workers)
+  results = [run_case(CASES[name](args.quick), args.repeats, workers) for name in names]
+  out = {"benchmark": "pipeline", "quick": args.quick, "prefetch_workers": workers,
+         "configs": results,
          "machine": machine_info()}
   print(json.dumps(out))
   if args.json:

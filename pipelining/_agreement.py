@@ -27,7 +27,7 @@ _LOG = logging.getLogger("pipelining")
 
 # Options that may differ between processes: they change no computation, or
 # (workdir) name one shared directory by a path that may differ per host.
-_LOCAL_OPTIONS = ("progress", "log_every", "prefetch_depth", "workdir")
+_LOCAL_OPTIONS = ("progress", "log_every", "prefetch_depth", "prefetch_workers", "workdir")
 
 
 def _describe(value: Any) -> str:

@@ -23,7 +23,15 @@ class TrainerConfig:
     pipelining: overlap the lookup of batch k+1 with the dense step of batch k
       (lookups one update stale, see DESIGN.md); False gives synchronous
       training.
-    prefetch_depth: batches prepared ahead on the host thread (>= 1).
+    prefetch_depth: batches prepared ahead on the host (>= 1).
+    prefetch_workers: host threads preparing batches at once (>= 1). More
+      than one pays where the host has idle cores and preprocessing paces
+      training, as on an accelerator's host: its device step is often far
+      shorter than the preprocessing of its batch (see the README's GPU
+      figures). Each worker keeps its own scratch buffers, and up to
+      prefetch_depth + 1 batches are held; give prefetch_depth >=
+      prefetch_workers to keep them all busy. The batches and the results
+      are the same for any number.
     shards_per_device: S, shards of every stack per device.
     stacking: which tables share a stack: "auto" (every group of compatible
       tables, `auto_stack_tables`), "separate" (a stack per table), groups of
@@ -86,6 +94,7 @@ class TrainerConfig:
 
   pipelining: bool = True
   prefetch_depth: int = 2
+  prefetch_workers: int = 1
   shards_per_device: int = 1
   stacking: Stacking = "auto"
   table_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -110,7 +119,7 @@ class TrainerConfig:
       if not isinstance(value, bool):
         # A truthy string such as "False" would silently turn the option on.
         raise TypeError(f"TrainerConfig.{name} must be True or False, got {value!r}.")
-    for name in ("prefetch_depth", "shards_per_device", "keep", "log_every"):
+    for name in ("prefetch_depth", "prefetch_workers", "shards_per_device", "keep", "log_every"):
       check_count(f"TrainerConfig.{name}", getattr(self, name), minimum=1)
     check_count("TrainerConfig.save_every", self.save_every, minimum=1, optional=True)
     if self.save_every is not None and self.workdir is None:

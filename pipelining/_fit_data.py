@@ -50,11 +50,14 @@ class FitData:
   Args:
     stage: (raw batch, index in the stream) -> the staged batch.
     prefetch_depth: batches staged ahead of the fit loop.
+    prefetch_workers: threads staging batches at once.
   """
 
-  def __init__(self, stage: Callable[[Any, int], Staged], prefetch_depth: int):
+  def __init__(self, stage: Callable[[Any, int], Staged], prefetch_depth: int,
+               prefetch_workers: int = 1):
     self._stage = stage
     self._prefetch_depth = prefetch_depth
+    self._prefetch_workers = prefetch_workers
     # After a fit that stopped before its data ended: its data, stream and the
     # batches taken but not applied. Each `open` consumes it.
     self._carry: _CarriedStream | None = None
@@ -91,7 +94,7 @@ class FitData:
       )
       remainder = ()
     prefetcher = Prefetcher(stream, self._stage, depth=self._prefetch_depth,
-                            start_index=stream.batches_consumed, remainder=remainder)
+                            workers=self._prefetch_workers, start_index=stream.batches_consumed, remainder=remainder)
     return prefetcher, continued
 
   def hand_on(self, train_data: Iterable[Any], epochs: int | None, prefetcher: Prefetcher,

@@ -1,14 +1,20 @@
-"""Host prefetch: prepares upcoming batches on a background thread.
+"""Host prefetch: prepares upcoming batches on background threads.
 
-The thread pulls raw batches from the user's iterator, preprocesses them and
+A thread pulls raw batches from the user's iterator, preprocesses them and
 copies them to the devices, keeping at most `depth` prepared batches in a
-bounded queue, so host work overlaps device work. A thread (not a process
-pool) is used because the preprocessing is vectorised numpy that releases the
-GIL in its heavy loops and the prepared arrays must land in this process's
-device buffers anyway.
+bounded queue, so host work overlaps device work. With `workers` > 1 it hands
+each batch's preparation to a pool of that many threads instead, so that up
+to `workers` batches are prepared at once (on a host with cores to spare: an
+accelerator's host, whose device step is far shorter than the preprocessing
+of its batch). Threads (not processes) are used because the preprocessing is
+vectorised numpy and C++ loops that release the GIL, and the prepared arrays
+must land in this process's device buffers anyway.
 
-Guarantees:
-  * batches come out in order, each exactly once;
+Guarantees (for any `workers`):
+  * batches come out in order, each exactly once; the iterator is pulled by
+    one thread, in order, and with `workers` > 1 the first batch is prepared
+    before any other starts (what `prepare` records from a first batch comes
+    from it);
   * an exception raised by the iterator or by `prepare` is re-raised in the
     consumer, with its original traceback, when the consumer reaches it;
   * the end of the data is a clean StopIteration; `close()` stops the thread
@@ -23,6 +29,7 @@ Guarantees:
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -48,6 +55,21 @@ class _Failure(NamedTuple):
   error: BaseException
 
 
+class _Pending(NamedTuple):
+  """A batch being prepared by a worker: Prepared once `future` is done."""
+
+  index: int
+  future: concurrent.futures.Future
+  position: Any
+
+  def resolved(self) -> Prepared | _Failure:
+    """The Prepared batch or the failure of its `prepare` (waits for it)."""
+    try:
+      return Prepared(self.index, self.future.result(), self.position)
+    except BaseException as error:  # surfaced to the consumer, never lost
+      return _Failure(error)
+
+
 _END = object()
 
 
@@ -68,13 +90,17 @@ class Remainder(NamedTuple):
 
 
 class Prefetcher:
-  """Iterates prepared batches produced by a background thread.
+  """Iterates prepared batches produced by background threads.
 
   Args:
     iterator: the raw batches.
-    prepare: (raw batch, its index) -> prepared batch (runs on the
-      background thread; the index lets its errors name the batch).
-    depth: the most prepared batches held at once (>= 1).
+    prepare: (raw batch, its index) -> prepared batch (runs on a background
+      thread; the index lets its errors name the batch). With `workers` > 1
+      it runs on several threads at once, for different batches, and must
+      be thread-safe.
+    depth: the most batches held at once, prepared or being prepared (>= 1).
+    workers: threads preparing batches at once (>= 1); more than `depth` + 1
+      cannot all be busy.
     start_index: the index of the first batch pulled from `iterator` (for
       resumed streams).
     remainder: `Remainder.items` of an earlier Prefetcher on the same
@@ -89,11 +115,16 @@ class Prefetcher:
       prepare: Callable[[Any, int], Any],
       *,
       depth: int = 2,
+      workers: int = 1,
       start_index: int = 0,
       remainder: Sequence[Any] = (),
   ):
     if depth < 1:
       raise ValueError(f"prefetch depth must be >= 1, got {depth}.")
+    if workers < 1:
+      raise ValueError(f"prefetch workers must be >= 1, got {workers}.")
+    self._pool = (concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="sc-prepare")
+                  if workers > 1 else None)
     self._iterator = iterator
     self._prepare = prepare
     self._remainder = collections.deque(remainder)
@@ -137,7 +168,10 @@ class Prefetcher:
           self._put(_END)
           return
         position = get_state() if callable(get_state) else None
-        prepared = Prepared(index, self._prepare(raw, index), position)
+        if self._pool is None or index == self._index:
+          prepared = Prepared(index, self._prepare(raw, index), position)
+        else:
+          prepared = _Pending(index, self._pool.submit(self._prepare, raw, index), position)
         index += 1
         if not self._put(prepared):
           return
@@ -191,6 +225,8 @@ class Prefetcher:
           raise RuntimeError("the prefetch thread stopped without reporting; this is a bug.")
 
   def _handed_out(self, item) -> Prepared:
+    if isinstance(item, _Pending):
+      item = item.resolved()
     if item is _END:
       self._finished = True
       raise StopIteration
@@ -205,6 +241,12 @@ class Prefetcher:
     Waits up to 10 s for it (it may be inside the iterator), on the first
     call only: a thread stuck there is not waited for twice.
     """
+    self._stop_thread()
+    if self._pool is not None:  # batches not started are dropped; running ones end
+      self._pool.shutdown(wait=True, cancel_futures=True)
+
+  def _stop_thread(self) -> None:
+    """Stops the pulling thread, waiting up to 10 s for it on the first call only."""
     self._stop.set()
     if not self._closed:
       self._closed = True
@@ -216,8 +258,9 @@ class Prefetcher:
     None when the thread did not stop in time (it is still inside the
     iterator, which then cannot be handed to another Prefetcher).
     """
-    self.close()
+    self._stop_thread()  # the workers go on: the batches taken are kept prepared
     if self._thread.is_alive():
+      self.close()
       return None
     items = list(self._remainder)
     while True:
@@ -226,6 +269,8 @@ class Prefetcher:
       except queue.Empty:
         break
     items.extend(self._unplaced)
+    items = [item.resolved() if isinstance(item, _Pending) else item for item in items]
+    self.close()
     if self._finished:
       items = [_END]  # the consumer saw the end (or a failure) already
     return Remainder(tuple(items))

@@ -157,7 +157,8 @@ class Trainer:
     # fit assigns it after every step.
     self._loop: LoopState | None = None
     # Where each fit's data starts, and what a fit that stopped early hands on.
-    self._fit_data = FitData(self._stage_for_training, self.config.prefetch_depth)
+    self._fit_data = FitData(self._stage_for_training, self.config.prefetch_depth,
+                             self.config.prefetch_workers)
     # The checkpoint step whose train state evaluate or predict adopted
     # without its in-flight batch and data position: fit still resumes it.
     self._state_only_from: int | None = None
@@ -188,8 +189,9 @@ class Trainer:
           incremental=self.config.incremental,
           # Prepared but not applied at once: a fit's queue (depth), one more
           # held by its thread, the next batch and the one in flight, plus, in a
-          # fit continuing another's stream (`FitData`), that fit's remainder.
-          unapplied_batches=2 * self.config.prefetch_depth + 4)
+          # fit continuing another's stream (`FitData`), that fit's remainder;
+          # and as many again as workers, which record their batches out of order.
+          unapplied_batches=2 * self.config.prefetch_depth + 4 + self.config.prefetch_workers)
 
   @property
   def state(self) -> TrainState | None:
@@ -660,7 +662,8 @@ class Trainer:
   def _prepared(self, data: Iterable[Any], use: BatchUse) -> Iterator[DeviceBatch]:
     """The staged batches of `data` (evaluate or predict), built on the first one."""
     with Prefetcher(iter(data), lambda raw, index: self._stage(raw, use, index).batch,
-                    depth=self.config.prefetch_depth) as prefetcher:
+                    depth=self.config.prefetch_depth,
+                    workers=self.config.prefetch_workers) as prefetcher:
       first = True
       while (prepared := self._next(prefetcher)) is not None:
         if first:

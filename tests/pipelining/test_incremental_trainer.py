@@ -14,11 +14,11 @@ from test_trainer import LinearHead, logical_tables, make_batches, make_specs, m
 from tests.numerics import assert_same_bits
 
 
-def make_trainer(workdir, pipelining, incremental):
+def make_trainer(workdir, pipelining, incremental, workers=1):
   return Trainer(LinearHead(), make_specs(Adagrad(0.3)), mse, optax.adam(0.05),
                  mesh=mesh_of(1), pipelining=pipelining, progress="off", padding_id=-1,
                  workdir=workdir, save_every=1 if workdir else None, keep=10,
-                 incremental=incremental, prefetch_depth=2)
+                 incremental=incremental, prefetch_depth=2, prefetch_workers=workers)
 
 
 def _tables(root, step):
@@ -58,16 +58,17 @@ def test_delta_steps_equal_full_steps_and_resume_exactly(tmp_path, pipelining):
   assert chain[-1]["kind"] == "delta"
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_fits_in_chunks_save_deltas_that_hold_every_update(tmp_path, seed):
+@pytest.mark.parametrize("seed, workers", [(0, 1), (1, 1), (2, 1), (3, 3), (4, 3)])
+def test_fits_in_chunks_save_deltas_that_hold_every_update(tmp_path, seed, workers):
   """A fit continuing another's stream has more batches prepared but not applied.
 
   Their rows must still reach the next delta: every step of the chain equals
-  the same step of full saves, and the last restores one fit's tables.
+  the same step of full saves, and the last restores one fit's tables. With
+  several prefetch workers the batches' rows are recorded out of order.
   """
   batches = make_batches(14, seed=90 + seed)
   policy = ck.IncrementalPolicy(full_every=100, max_delta_share=1.0)
-  chunked = make_trainer(tmp_path / "delta", True, policy)
+  chunked = make_trainer(tmp_path / "delta", True, policy, workers)
   for total in (3, 6, None):
     chunked.fit(batches, num_steps=total)
   full = make_trainer(tmp_path / "full", True, None)

@@ -1,7 +1,9 @@
-"""The host prefetcher: order, errors, and continuing an iterator across prefetchers."""
+"""The host prefetcher: order, errors, and continuing an iterator across prefetchers,
+with one thread preparing the batches and with several."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -15,19 +17,24 @@ def _prepare(raw, index):
   return raw * 10
 
 
-def test_batches_come_out_in_order_once_then_the_end():
-  with Prefetcher(iter(range(7)), _prepare, depth=2) as prefetcher:
+WORKERS = [1, 3]
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_batches_come_out_in_order_once_then_the_end(workers):
+  with Prefetcher(iter(range(7)), _prepare, depth=2, workers=workers) as prefetcher:
     got = [(p.index, p.batch) for p in prefetcher]
   assert got == [(i, 10 * i) for i in range(7)]
 
 
-def test_an_error_of_the_iterator_reaches_the_consumer_in_its_place():
+@pytest.mark.parametrize("workers", WORKERS)
+def test_an_error_of_the_iterator_reaches_the_consumer_in_its_place(workers):
   def items():
     yield 0
     yield 1
     raise KeyError("broken record 2")
 
-  with Prefetcher(items(), _prepare, depth=3) as prefetcher:
+  with Prefetcher(items(), _prepare, depth=3, workers=workers) as prefetcher:
     assert [next(prefetcher).batch, next(prefetcher).batch] == [0, 10]
     with pytest.raises(KeyError, match="broken record 2"):
       next(prefetcher)
@@ -35,7 +42,8 @@ def test_an_error_of_the_iterator_reaches_the_consumer_in_its_place():
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("depth", [1, 3])
-def test_a_stopped_prefetcher_hands_on_every_batch_it_took(seed, depth):
+@pytest.mark.parametrize("workers", WORKERS)
+def test_a_stopped_prefetcher_hands_on_every_batch_it_took(seed, depth, workers):
   """Consumers that stop early, one after another on one iterator: each batch once, in order.
 
   A slow `prepare` makes the thread hold batches in every state when it is
@@ -51,8 +59,8 @@ def test_a_stopped_prefetcher_hands_on_every_batch_it_took(seed, depth):
 
   got, remainder, start = [], (), 0
   while True:
-    prefetcher = Prefetcher(iterator, slow_prepare, depth=depth, start_index=start,
-                            remainder=remainder)
+    prefetcher = Prefetcher(iterator, slow_prepare, depth=depth, workers=workers,
+                            start_index=start, remainder=remainder)
     take = int(rng.integers(0, 6))
     ended = False
     for _ in range(take):
@@ -73,14 +81,15 @@ def test_a_stopped_prefetcher_hands_on_every_batch_it_took(seed, depth):
   assert got == [10 * i for i in range(total)]
 
 
-def test_at_end_waits_for_the_next_item_and_leaves_it_to_be_handed_out():
+@pytest.mark.parametrize("workers", WORKERS)
+def test_at_end_waits_for_the_next_item_and_leaves_it_to_be_handed_out(workers):
   """`at_end` tells the end of the data apart from a batch or a failure, taking neither."""
   def items():
     yield 0
     yield 1
     raise KeyError("broken record 2")
 
-  prefetcher = Prefetcher(items(), _prepare, depth=1)
+  prefetcher = Prefetcher(items(), _prepare, depth=1, workers=workers)
   assert not prefetcher.at_end() and not prefetcher.at_end()
   assert next(prefetcher).batch == 0
   assert not prefetcher.at_end()
@@ -91,13 +100,107 @@ def test_at_end_waits_for_the_next_item_and_leaves_it_to_be_handed_out():
   following = Prefetcher(iter(()), _prepare, remainder=kept.items)
   with pytest.raises(KeyError, match="broken record 2"):
     next(following)
-  with Prefetcher(iter(range(2)), _prepare, depth=3) as prefetcher:
+  with Prefetcher(iter(range(2)), _prepare, depth=3, workers=workers) as prefetcher:
     assert [next(prefetcher).batch for _ in range(2)] == [0, 10]
     assert prefetcher.at_end() and prefetcher.at_end()
     with pytest.raises(StopIteration):
       next(prefetcher)
     assert prefetcher.at_end()
-  with Prefetcher(iter(range(3)), _prepare, depth=1) as prefetcher:
+  with Prefetcher(iter(range(3)), _prepare, depth=1, workers=workers) as prefetcher:
     assert not prefetcher.at_end()
     kept = prefetcher.close_and_keep()
   assert [item.batch for item in kept.items if isinstance(item, Prepared)][0] == 0
+
+
+class _Tracked:
+  """A prepare that records how many calls run at once and in which order they start."""
+
+  def __init__(self, seed: int):
+    self.rng = np.random.default_rng(seed)
+    self.lock = threading.Lock()
+    self.running = self.most_running = 0
+    self.started: list[int] = []
+    self.first_done = threading.Event()
+
+  def __call__(self, raw, index):
+    with self.lock:
+      if index != 0:
+        assert self.first_done.is_set(), f"batch {index} started before the first ended"
+      self.started.append(index)
+      self.running += 1
+      self.most_running = max(self.most_running, self.running)
+    time.sleep(float(self.rng.uniform(0.002, 0.02)))  # workers finish out of order
+    with self.lock:
+      self.running -= 1
+    if index == 0:
+      self.first_done.set()
+    return _prepare(raw, index)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_workers_prepare_batches_at_once_and_hand_them_out_in_order(seed):
+  prepare = _Tracked(seed)
+  with Prefetcher(iter(range(30)), prepare, depth=4, workers=3) as prefetcher:
+    got = [(p.index, p.batch) for p in prefetcher]
+  assert got == [(i, 10 * i) for i in range(30)]
+  assert sorted(prepare.started) == list(range(30)) and prepare.started[0] == 0
+  assert prepare.most_running > 1  # the pool did prepare several batches at once
+  assert prepare.most_running <= 3
+
+
+def test_one_worker_prepares_one_batch_at_a_time():
+  prepare = _Tracked(0)
+  with Prefetcher(iter(range(10)), prepare, depth=4) as prefetcher:
+    assert [p.batch for p in prefetcher] == [10 * i for i in range(10)]
+  assert prepare.most_running == 1 and prepare.started == list(range(10))
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_a_failing_prepare_is_raised_in_its_batchs_place(workers):
+  def prepare(raw, index):
+    time.sleep(0.01 if index < 3 else 0.0)  # later batches finish first
+    if index == 3:
+      raise ValueError("bad ids in batch 3")
+    return _prepare(raw, index)
+
+  with Prefetcher(iter(range(8)), prepare, depth=4, workers=workers) as prefetcher:
+    assert [next(prefetcher).batch for _ in range(3)] == [0, 10, 20]
+    with pytest.raises(ValueError, match="bad ids in batch 3"):
+      next(prefetcher)
+    assert prefetcher.failed
+    with pytest.raises(StopIteration):
+      next(prefetcher)
+
+
+def test_close_drops_the_batches_not_started():
+  """close() leaves the batches queued for the workers unprepared, and none starts after it."""
+  started, pulled = [], []
+
+  def items():
+    for i in range(100):
+      pulled.append(i)
+      yield i
+
+  def prepare(raw, index):
+    started.append(index)
+    if index:
+      time.sleep(0.5)  # far longer than the consumer takes to close
+    return _prepare(raw, index)
+
+  prefetcher = Prefetcher(items(), prepare, depth=8, workers=2)
+  assert next(prefetcher).batch == 0
+  deadline = time.monotonic() + 30
+  while len(pulled) < 10 and time.monotonic() < deadline:  # 8 queued, 1 held by the puller
+    time.sleep(0.001)
+  assert len(pulled) == 10
+  prefetcher.close()
+  count = len(started)
+  time.sleep(0.1)
+  assert len(started) == count  # nothing started after close
+  assert count < len(pulled)  # the queued batches that no worker had started were dropped
+
+
+@pytest.mark.parametrize("workers", [0, -1])
+def test_workers_must_be_at_least_one(workers):
+  with pytest.raises(ValueError, match=f"prefetch workers must be >= 1, got {workers}"):
+    Prefetcher(iter(()), _prepare, workers=workers)
