@@ -1,8 +1,9 @@
 """Whether a Trainer's runs, and so its resumes, reproduce bit for bit on its platform.
 
 A resumed run equals the uninterrupted one bit for bit only if every step is
-a deterministic function of its inputs. On CPU and TPU XLA's programs are. On
-GPU, XLA lowers a scatter-add whose indices may repeat (the embedding
+a deterministic function of its inputs. On CPU XLA's programs are (the test
+suite checks it); on TPU XLA lowers scatter-adds without atomic adds (not
+checked on a TPU here). On GPU, XLA lowers a scatter-add whose indices may repeat (the embedding
 lookup's sums into samples, the update's sums into rows) to atomic adds,
 whose float32 sums land in whatever order the threads reach them: two runs
 of the same step differ in the last bits, and so does a resumed run from an
