@@ -293,7 +293,9 @@ def main(argv=None) -> dict:
   num_tables, vocab, dim, batch = config
   header = (f"{num_tables} tables x {vocab:,} rows x dim {dim}, batch {batch:,}, 1-{MAX_IDS}"
             f" uniform ids/sample, sum combiner; median of {args.repeats} interleaved rounds;"
-            f" host allocator {allocator!r}; C++ kernels build {cpu_kernels_build()!r}")
+            f" host allocator {allocator!r}; {jax.default_backend()} device"
+            f" {jax.devices()[0].device_kind!r}; C++ CPU kernels build {cpu_kernels_build()!r}"
+            f" (used on CPU devices only)")
   result = {"benchmark": "vs_torchrec", "quick": args.quick, "repeats": args.repeats,
             "cpu_kernels_build": cpu_kernels_build(),
             "config": {"tables": num_tables, "vocab": vocab, "dim": dim, "batch": batch,
