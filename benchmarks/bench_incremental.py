@@ -44,7 +44,12 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks._common import default_to_host_devices, parse_args, print_table, write_json  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    default_to_host_devices,
+    parse_args,
+    print_table,
+    write_json,
+)
 
 default_to_host_devices(2)  # before jax is imported
 

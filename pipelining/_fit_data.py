@@ -94,7 +94,8 @@ class FitData:
       )
       remainder = ()
     prefetcher = Prefetcher(stream, self._stage, depth=self._prefetch_depth,
-                            workers=self._prefetch_workers, start_index=stream.batches_consumed, remainder=remainder)
+                            workers=self._prefetch_workers,
+                            start_index=stream.batches_consumed, remainder=remainder)
     return prefetcher, continued
 
   def hand_on(self, train_data: Iterable[Any], epochs: int | None, prefetcher: Prefetcher,

@@ -190,7 +190,7 @@ class Trainer:
           # Prepared but not applied at once: a fit's queue (depth), one more
           # held by its thread, the next batch and the one in flight, plus, in a
           # fit continuing another's stream (`FitData`), that fit's remainder;
-          # and as many again as workers, which record their batches out of order.
+          # and one more per prefetch worker: workers record their batches out of order.
           unapplied_batches=2 * self.config.prefetch_depth + 4 + self.config.prefetch_workers)
 
   @property

@@ -48,5 +48,6 @@ def test_a_bad_batch_is_named_in_its_place_with_workers():
 
 
 def test_prefetch_workers_must_be_a_count():
-  with pytest.raises(ValueError, match=r"TrainerConfig.prefetch_workers must be an int >= 1, got 0"):
+  with pytest.raises(ValueError,
+                     match=r"TrainerConfig.prefetch_workers must be an int >= 1, got 0"):
     TrainerConfig(prefetch_workers=0)
