@@ -73,6 +73,7 @@ setup(
             sources=["sc_framework/preprocessing/_host_kernels.cc"],
             depends=[
                 "sc_framework/preprocessing/_host_kernels_common.h",
+                "sc_framework/preprocessing/_host_kernels_compact.h",
                 "sc_framework/preprocessing/_host_kernels_drop.h",
                 "sc_framework/preprocessing/_host_kernels_rank.h",
                 "sc_framework/preprocessing/_host_kernels_rank_kept.h",

@@ -45,6 +45,10 @@
 //       ranks[:k] = their ranks among them. Before dropping, shard n had
 //       all_counts[n] entries and unique_counts[n] distinct rows. `words`:
 //       two bit maps over [0, V) (uint64, any content on entry).
+//   compact_padded(ids, width, padding, values, splits) -> k
+//       ids: a dense [B, width] batch, flattened (int32 or int64): values[:k]
+//       = the ids that differ from `padding`, row by row, and splits[b + 1] =
+//       their count in rows 0..b (splits[0] = 0); values has room for every id.
 //
 // The loops live in the headers _host_kernels_*.h next to this file; this
 // file defines the Python module.
@@ -58,6 +62,7 @@
 #include "_host_kernels_rank.h"
 #include "_host_kernels_drop.h"
 #include "_host_kernels_rank_kept.h"
+#include "_host_kernels_compact.h"
 
 namespace {
 
@@ -71,6 +76,8 @@ PyMethodDef kMethods[] = {
      "rank_rows over the entries kept by the overflow rules, which it applies."},
     {"rank_rows", rank_rows, METH_VARARGS,
      "Ascending distinct rows and every row's rank among them, via a bit map."},
+    {"compact_padded", compact_padded, METH_VARARGS,
+     "The ids of a dense [B, L] batch that are not the padding id, row by row, and the splits."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from sc_framework.preprocessing import _native
 from sc_framework.specs import FeatureSpec
 
 
@@ -270,6 +271,9 @@ def _ragged_from_rows(rows, weights, *, owner: str) -> RaggedIds:
   return RaggedIds(values, splits, flat_weights)
 
 
+_INT64_MIN, _INT64_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
+
+
 def _to_csr(value: FeatureInput, owner: str, padding_id: int | None):
   """Any accepted form -> (values, row_splits, weights, whether padding was removed)."""
   if isinstance(value, SparseIds):
@@ -304,6 +308,9 @@ def _to_csr(value: FeatureInput, owner: str, padding_id: int | None):
     values = ids.reshape(-1)
     splits = np.arange(batch + 1, dtype=np.int64) * width
     flat_weights = None if weights is None else weights.reshape(-1)
+  elif weights is None and (compacted := _compact_natively(ids, padding_id)) is not None:
+    values, splits = compacted
+    flat_weights = None
   else:
     keep = ids != padding_id
     values = ids[keep]
@@ -311,6 +318,20 @@ def _to_csr(value: FeatureInput, owner: str, padding_id: int | None):
     np.cumsum(np.count_nonzero(keep, axis=1), out=splits[1:])
     flat_weights = None if weights is None else weights[keep]
   return values, splits, flat_weights, True
+
+
+def _compact_natively(ids: np.ndarray, padding_id: int) -> tuple[np.ndarray, np.ndarray] | None:
+  """(ids[ids != padding_id], row splits) of dense [B, L] ids in one C++ pass
+  (`compact_padded`), or None where numpy does it: the loops not built, ids
+  that are not C-contiguous int32 / int64, a padding id beyond int64."""
+  kernels = _native.host_kernels()
+  if (kernels is None or ids.dtype not in (np.int32, np.int64) or not ids.flags.c_contiguous
+      or not _INT64_MIN <= padding_id <= _INT64_MAX or ids.size == 0):
+    return None
+  values = np.empty(ids.size, ids.dtype)
+  splits = np.empty(ids.shape[0] + 1, np.int64)
+  kept = kernels.compact_padded(ids.reshape(-1), ids.shape[1], int(padding_id), values, splits)
+  return values[:kept], splits
 
 
 def _weights_array(weights, owner: str, what: str, shape: tuple[int, ...]) -> np.ndarray:

@@ -17,6 +17,9 @@ a sort, a scatter or extra temporaries:
                   rank_rows with the overflow rules (a) and (b) applied in its
                   marking pass, which also compacts the kept entries; the
                   distinct rows and ranks are then those of the kept entries
+  compact_padded  `_inputs._to_csr`: dense [B, L] ids with a padding id to
+                  their CSR form (the ids kept, the row splits) in one pass,
+                  where numpy compares, counts, indexes and sums
   drop_device     `_dropping._drop` (dropping after the sort of step 2): the
                   rules in one pass over a device's entries (a bit map of the
                   kept rows), compacting the kept entries; then their new

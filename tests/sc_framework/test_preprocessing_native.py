@@ -16,7 +16,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sc_framework.preprocessing import RaggedIds, StackCapacity, batch_stats, preprocess
+from sc_framework.preprocessing import (
+    DenseIds,
+    RaggedIds,
+    StackCapacity,
+    batch_stats,
+    preprocess,
+)
 from sc_framework.preprocessing import _native
 from sc_framework.specs import FeatureSpec, TableSpec
 from sc_framework.stacking import auto_stack_tables
@@ -246,7 +252,41 @@ def test_fill_keys_follows_the_layout_formula(num_shards, rows_per_shard, offset
   assert_same_bits(keys, b * v_s + row)
 
 
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("width", [1, 3, 20, 70])
+@pytest.mark.parametrize("padding", [-1, 0, 7, int(np.iinfo(np.int64).min)])
+def test_compact_padded_is_boolean_indexing(seed, dtype, width, padding):
+  """values[:k] = ids[ids != padding] row by row, splits the cumulative counts;
+  rows all padding, none padding, and a padding id that is a real id (0, 7)."""
+  rng = np.random.default_rng(seed)
+  rows = 300
+  ids = rng.integers(-1, 12, (rows, width)).astype(dtype)
+  ids[rng.random((rows, width)) < 0.4] = padding if dtype == np.int64 or padding > -2**31 else -1
+  ids[5] = padding if padding > -2**31 or dtype == np.int64 else ids[5]
+  ids[6] = 3  # no padding at all
+  keep = ids != padding
+  values = np.full(ids.size, 99, dtype)
+  splits = np.empty(rows + 1, np.int64)
+  kept = kernels.compact_padded(ids.reshape(-1), width, padding, values, splits)
+  assert kept == int(keep.sum())
+  assert_same_bits(values[:kept], ids[keep])
+  assert_same_bits(splits, np.concatenate([[0], np.cumsum(keep.sum(axis=1))]).astype(np.int64))
+
+
 def test_bad_arguments_raise_instead_of_crashing():
+  ids = np.arange(12, dtype=np.int32)
+  with pytest.raises(ValueError, match="width must be >= 1 and divide the 12 ids, got 5"):
+    kernels.compact_padded(ids, 5, -1, np.empty(12, np.int32), np.empty(3, np.int64))
+  with pytest.raises(ValueError, match=r"values: at least: expected 12, got 11"):
+    kernels.compact_padded(ids, 4, -1, np.empty(11, np.int32), np.empty(4, np.int64))
+  with pytest.raises(ValueError, match=r"splits: rows \+ 1: expected 4, got 3"):
+    kernels.compact_padded(ids, 4, -1, np.empty(12, np.int32), np.empty(3, np.int64))
+  with pytest.raises(TypeError, match="values must be 1-D with 4-byte items"):
+    kernels.compact_padded(ids, 4, -1, np.empty(12, np.int64), np.empty(4, np.int64))
+  with pytest.raises(TypeError, match="ids must be int32 or int64"):
+    kernels.compact_padded(ids.astype(np.int16), 4, -1, np.empty(12, np.int16),
+                           np.empty(4, np.int64))
   keys, lengths = np.arange(10, dtype=np.int64), np.array([4, 6], np.int64)
   def merge(keys, lengths):
     n = keys.size
@@ -352,6 +392,7 @@ def random_cases(draw):
       max_len=draw(st.sampled_from([1, 5, 40])),  # 40: samples past the rank sort's 32
       weighted=draw(st.booleans()),
       dtype=draw(st.sampled_from([np.int32, np.int64, np.uint16])),
+      dense=draw(st.booleans()),  # dense [B, L] ids padded with -1 (signed dtypes)
       limits=draw(st.sampled_from([None, "tight"])),
       seed=draw(st.integers(0, 2**31)),
   )
@@ -363,8 +404,24 @@ def make_inputs(case, rng):
     lengths = random_lengths(rng, spec.batch_size, case["max_len"])
     values = rng.integers(0, spec.table.vocabulary_size, int(lengths.sum()))
     weights = rng.uniform(0.25, 2.0, values.size) if case["weighted"] else None
-    inputs[spec.name] = RaggedIds.from_lengths(values.astype(case["dtype"]), lengths, weights)
+    if case.get("dense") and np.dtype(case["dtype"]).kind == "i":
+      inputs[spec.name] = _padded(values.astype(case["dtype"]), lengths, weights)
+    else:
+      inputs[spec.name] = RaggedIds.from_lengths(values.astype(case["dtype"]), lengths, weights)
   return inputs
+
+
+def _padded(values, lengths, weights):
+  """Dense [B, max length] ids padded with -1 (DenseIds with weights padded with 0)."""
+  width = max(1, int(lengths.max(initial=0)))
+  place = np.arange(width) < lengths[:, None]
+  ids = np.full((lengths.size, width), -1, values.dtype)
+  ids[place] = values
+  if weights is None:
+    return ids
+  dense_weights = np.zeros(ids.shape)
+  dense_weights[place] = weights
+  return DenseIds(ids, dense_weights)
 
 
 @settings(max_examples=60, deadline=None,
@@ -377,7 +434,7 @@ def test_preprocess_gives_the_same_bits_with_and_without_the_loops(monkeypatch, 
   inputs = make_inputs(case, rng)
   capacities = None
   if case["limits"] == "tight":  # below the batch's needs: overflow
-    stats = batch_stats(inputs, specs, layout)
+    stats = batch_stats(inputs, specs, layout, padding_id=-1)
     capacities = {
         name: StackCapacity(max(1, s.max_ids_per_partition * 2 // 3),
                             max(1, s.max_unique_ids_per_partition // 2))
@@ -385,7 +442,7 @@ def test_preprocess_gives_the_same_bits_with_and_without_the_loops(monkeypatch, 
     }
   for dropping in (False, True):
     native, reference = run_both(monkeypatch, inputs, specs, layout, capacities=capacities,
-                                 allow_id_dropping=dropping)
+                                 allow_id_dropping=dropping, padding_id=-1)
     assert_same_results(native, reference)
 
 
