@@ -123,7 +123,9 @@ class Prefetcher:
       raise ValueError(f"prefetch depth must be >= 1, got {depth}.")
     if workers < 1:
       raise ValueError(f"prefetch workers must be >= 1, got {workers}.")
-    self._pool = (concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="sc-prepare")
+    self._own_threads: set[int] = set()  # idents of the pulling thread and the workers
+    self._pool = (concurrent.futures.ThreadPoolExecutor(
+        workers, thread_name_prefix="sc-prepare", initializer=self._register_thread)
                   if workers > 1 else None)
     self._iterator = iterator
     self._prepare = prepare
@@ -144,6 +146,19 @@ class Prefetcher:
       self._stop.set()
     self._thread.start()
 
+  def _register_thread(self) -> None:
+    self._own_threads.add(threading.get_ident())
+
+  def _on_own_thread(self) -> bool:
+    """Whether the caller is this Prefetcher's pulling thread or one of its workers.
+
+    close() can run there: a garbage collection on that thread may finalize
+    an abandoned generator that holds this Prefetcher (a consumer that
+    stopped early). A thread cannot join itself, so close() then only
+    signals the threads to stop.
+    """
+    return threading.get_ident() in self._own_threads
+
   def _put(self, item) -> bool:
     while not self._stop.is_set():
       try:
@@ -155,6 +170,7 @@ class Prefetcher:
     return False
 
   def _run(self) -> None:
+    self._register_thread()
     get_state = getattr(self._iterator, "get_state", None)
     index = self._index
     while not self._remainder_out.wait(timeout=0.1):
@@ -239,16 +255,17 @@ class Prefetcher:
     """Stops the background thread (pending prepared batches are discarded).
 
     Waits up to 10 s for it (it may be inside the iterator), on the first
-    call only: a thread stuck there is not waited for twice.
+    call only: a thread stuck there is not waited for twice. Called on one
+    of the Prefetcher's own threads, it waits for none of them.
     """
     self._stop_thread()
     if self._pool is not None:  # batches not started are dropped; running ones end
-      self._pool.shutdown(wait=True, cancel_futures=True)
+      self._pool.shutdown(wait=not self._on_own_thread(), cancel_futures=True)
 
   def _stop_thread(self) -> None:
     """Stops the pulling thread, waiting up to 10 s for it on the first call only."""
     self._stop.set()
-    if not self._closed:
+    if not self._closed and not self._on_own_thread():
       self._closed = True
       self._thread.join(timeout=10)
 

@@ -3,6 +3,7 @@ with one thread preparing the batches and with several."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
@@ -204,3 +205,71 @@ def test_close_drops_the_batches_not_started():
 def test_workers_must_be_at_least_one(workers):
   with pytest.raises(ValueError, match=f"prefetch workers must be >= 1, got {workers}"):
     Prefetcher(iter(()), _prepare, workers=workers)
+
+
+def _wait_until(condition, seconds=30.0) -> None:
+  deadline = time.monotonic() + seconds
+  while not condition() and time.monotonic() < deadline:
+    time.sleep(0.001)
+  assert condition()
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_close_on_the_prefetchers_own_thread_stops_it_without_joining_that_thread(workers):
+  """close() called by prepare: on the pulling thread (1 worker) or a pool worker (3)."""
+  errors, box, built = [], {}, threading.Event()
+
+  def prepare(raw, index):
+    if index == 2:
+      assert built.wait(timeout=30)
+      try:
+        box["prefetcher"].close()
+      except BaseException as error:  # noqa: BLE001 - what a thread cannot join raises
+        errors.append(error)
+    return raw
+
+  prefetcher = box["prefetcher"] = Prefetcher(iter(range(100)), prepare, depth=2, workers=workers)
+  built.set()
+  assert next(prefetcher).batch == 0
+  _wait_until(lambda: not prefetcher._thread.is_alive())
+  assert errors == []
+  prefetcher.close()
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_an_abandoned_consumer_collected_on_a_prefetch_thread_closes_it_quietly(
+    workers, monkeypatch):
+  """A consumer generator left suspended inside `with Prefetcher` (it stopped early) and
+  held in a reference cycle is finalized by whichever thread the garbage collector runs
+  on: here the prefetcher's own, which must not try to join itself."""
+  unraisable, dropped, box = [], threading.Event(), {}
+  monkeypatch.setattr("sys.unraisablehook", unraisable.append)
+
+  def prepare(raw, index):
+    if index == 3:
+      assert dropped.wait(timeout=30)
+      gc.collect()  # finalizes the abandoned consumer, on this thread
+    return raw
+
+  def consume():
+    with Prefetcher(iter(range(100)), prepare, depth=2, workers=workers) as prefetcher:
+      box["prefetcher"] = prefetcher
+      for prepared in prefetcher:
+        yield prepared.batch
+
+  consumer = consume()
+  assert next(consumer) == 0
+  cycle = {"consumer": consumer}
+  cycle["self"] = cycle
+  del consumer, cycle
+  gc_was_enabled = gc.isenabled()
+  gc.disable()  # only the prefetch thread's collect may finalize it
+  try:
+    dropped.set()
+    prefetcher = box["prefetcher"]
+    _wait_until(lambda: not prefetcher._thread.is_alive())
+  finally:
+    if gc_was_enabled:
+      gc.enable()
+  assert [f"{u.exc_type.__name__}: {u.exc_value}" for u in unraisable] == []
+  assert prefetcher._stop.is_set()  # the finalized consumer closed it
