@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from checkpoint._assembly import OnSlotMismatch, assemble_stacked, build_block
 from checkpoint._reader import CheckpointReader
 from sc_framework.optimizers import SlotSpec
-from sc_framework.primitives import EmbeddingVariables
+from sc_framework.primitives import EmbeddingVariables, mesh_axis_size
 from sc_framework.stacking import EmbeddingLayout
 
 
@@ -58,13 +58,12 @@ def restore_to_mesh(
   See `EmbeddingRestore` for the arguments and errors; `optimizer_names` are
   the target stacks' optimizer names (`_optimizers.resolve`).
   """
-  if axis_name not in mesh.shape:
-    raise ValueError(f"mesh has no axis {axis_name!r}; its axes are {dict(mesh.shape)}.")
-  if mesh.shape[axis_name] != layout.num_devices:
+  num_devices = mesh_axis_size(mesh, axis_name)
+  if num_devices != layout.num_devices:
     raise ValueError(
-        f"mesh axis {axis_name!r} has {mesh.shape[axis_name]} devices but the target layout is"
+        f"mesh axis {axis_name!r} has {num_devices} devices but the target layout is"
         f" for G={layout.num_devices}; build the layout for the mesh (num_devices ="
-        f" {mesh.shape[axis_name]})."
+        f" {num_devices})."
     )
   assemblies = assemble_stacked(
       reader,

@@ -65,6 +65,7 @@ from sc_framework.primitives import (
     default_mesh,
     get_backend,
     init_embedding_variables,
+    mesh_axis_size,
 )
 from sc_framework.specs import FeatureSpec
 from sc_framework.stacking import layout_for_stacking
@@ -135,8 +136,7 @@ class Trainer:
     self._features = FeatureTree.of(feature_specs)
     if mesh is None:
       mesh = default_mesh(axis_name)
-    if axis_name not in mesh.shape:
-      raise ValueError(f"mesh has no axis {axis_name!r}; its axes are {mesh.axis_names}.")
+    num_devices = mesh_axis_size(mesh, axis_name)
     if self.config.host_memory == "keep" and all(
         device.platform == "cpu" for device in mesh.devices.flat
     ):
@@ -144,7 +144,7 @@ class Trainer:
       # threads that allocate after it share the heap (see host_allocator).
       keep_freed_memory()
     layout = layout_for_stacking(self.config.stacking, self._features.specs,
-                                 mesh.shape[axis_name], self.config.shards_per_device)
+                                 num_devices, self.config.shards_per_device)
     self.plan = EmbeddingPlan.create(self._features.specs, mesh=mesh, axis_name=axis_name,
                                      layout=layout)
     self._local_devices = self.plan.local_devices()

@@ -21,6 +21,7 @@ from sc_framework.primitives._plan import (
     DEFAULT_AXIS_NAME,
     EmbeddingPlan,
     default_mesh,
+    mesh_axis_size,
     process_major_devices,
 )
 from sc_framework.primitives._row_ops import cpu_kernels_build
@@ -32,6 +33,7 @@ __all__ = [
     "DEFAULT_AXIS_NAME",
     "process_major_devices",
     "default_mesh",
+    "mesh_axis_size",
     "init_embedding_variables",
     "table_seed",
     "embedding_lookup",

@@ -48,6 +48,20 @@ def default_mesh(axis_name: str = DEFAULT_AXIS_NAME) -> Mesh:
   return Mesh(np.array(process_major_devices()), (axis_name,))
 
 
+def mesh_axis_size(mesh: Mesh, axis_name: str) -> int:
+  """The number of devices along `axis_name` of `mesh`.
+
+  Raises:
+    ValueError: the mesh has no such axis (naming the axes it has).
+  """
+  if axis_name not in mesh.axis_names:
+    raise ValueError(
+        f"mesh has no axis {axis_name!r}; its axes are {mesh.axis_names}. Pass"
+        f" axis_name= the axis that holds the tables and the batch (one of {mesh.axis_names})."
+    )
+  return mesh.shape[axis_name]
+
+
 @dataclasses.dataclass(frozen=True)
 class EmbeddingPlan:
   """Feature specs + layout + the table axis of a mesh.
@@ -68,11 +82,7 @@ class EmbeddingPlan:
   def __post_init__(self):
     features = validate_feature_specs(self.feature_specs)
     object.__setattr__(self, "feature_specs", features)
-    if self.axis_name not in self.mesh.axis_names:
-      raise ValueError(
-          f"mesh has no axis {self.axis_name!r}; its axes are {self.mesh.axis_names}."
-      )
-    axis_size = self.mesh.shape[self.axis_name]
+    axis_size = mesh_axis_size(self.mesh, self.axis_name)
     if axis_size != self.layout.num_devices:
       raise ValueError(
           f"the layout is for G={self.layout.num_devices} devices but mesh axis"
@@ -119,7 +129,7 @@ class EmbeddingPlan:
       mesh = default_mesh(axis_name)
     if layout is None:
       layout = auto_stack_tables(
-          feature_specs, mesh.shape[axis_name],
+          feature_specs, mesh_axis_size(mesh, axis_name),
           shards_per_device=1 if shards_per_device is None else shards_per_device,
       )
     elif shards_per_device is not None and shards_per_device != layout.shards_per_device:

@@ -245,6 +245,8 @@ def test_save_time_validation(tmp_path):
 
 def test_bad_restore_requests(saved):
   _, layout, path = saved
+  with pytest.raises(ValueError, match=r"mesh has no axis 'rows'; its axes are \('table',\)"):
+    ck.EmbeddingCheckpointHandler().restore(path, ck.EmbeddingRestore(layout, make_mesh(8), "rows"))
   with pytest.raises(
       ValueError, match="mesh axis 'table' has 8 devices but the target layout is for G=4"
   ):

@@ -133,6 +133,11 @@ def test_stacking_errors_name_the_value(stacking, message):
     make_trainer(stacking=stacking)
 
 
+def test_a_mesh_without_the_table_axis_is_refused_naming_its_axes():
+  with pytest.raises(ValueError, match=r"mesh has no axis 'rows'; its axes are \('devices',\)"):
+    make_trainer(axis_name="rows")
+
+
 def test_a_layout_for_other_devices_or_tables_is_refused():
   layout = make_trainer(devices=4).plan.layout
   with pytest.raises(ValueError, match="layout is for G=4 devices .* mesh axis has 2 devices"):

@@ -62,6 +62,18 @@ def _grads(features, **extra):
   return {**{f.name: jnp.ones(f.output_shape) for f in features}, **extra}
 
 
+def test_a_mesh_without_the_table_axis_is_refused_naming_its_axes():
+  features = _features()
+  mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+  message = r"mesh has no axis 'devices'; its axes are \('data',\). Pass axis_name="
+  with pytest.raises(ValueError, match=message):
+    EmbeddingPlan.create(features, mesh=mesh)  # the automatic stacking needs the axis first
+  layout = auto_stack_tables(features, 1)
+  with pytest.raises(ValueError, match=message):
+    EmbeddingPlan.create(features, mesh=mesh, layout=layout)
+  assert EmbeddingPlan.create(features, mesh=mesh, axis_name="data").layout == layout
+
+
 @pytest.mark.parametrize("rows", [-8, 64], ids=["fewer_rows", "more_rows"])
 @pytest.mark.parametrize("num_devices", [1, 8])
 def test_a_table_of_another_shape_is_refused_naming_the_stack(rows, num_devices):
