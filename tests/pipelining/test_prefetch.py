@@ -257,14 +257,14 @@ def test_an_abandoned_consumer_collected_on_a_prefetch_thread_closes_it_quietly(
       for prepared in prefetcher:
         yield prepared.batch
 
-  consumer = consume()
-  assert next(consumer) == 0
-  cycle = {"consumer": consumer}
-  cycle["self"] = cycle
-  del consumer, cycle
   gc_was_enabled = gc.isenabled()
-  gc.disable()  # only the prefetch thread's collect may finalize it
+  gc.disable()  # only the prefetch thread's collect may finalize the consumer
   try:
+    consumer = consume()
+    assert next(consumer) == 0
+    cycle = {"consumer": consumer}
+    cycle["self"] = cycle
+    del consumer, cycle
     dropped.set()
     prefetcher = box["prefetcher"]
     _wait_until(lambda: not prefetcher._thread.is_alive())
