@@ -2,9 +2,11 @@
 
 How far can the step of bench_vs_torchrec.py still get faster here? This
 script times our lookup and our sparse update (the CPU backend's C++
-kernels) beside the plainest C++ loops that move the same bytes, on the same
-tables and the same preprocessed batch (benchmarks/memory_floor.cc, compiled
-at run time with the system's C++ compiler):
+kernels, through stacked_lookup and apply_stacked_gradients: one array per
+stack, no cut into features) beside the plainest C++ loops that move the
+same bytes, on the same tables and the same preprocessed batch
+(benchmarks/memory_floor.cc, compiled at run time with the system's C++
+compiler):
 
   floor lookup  out[sample] += table[row] for every entry, in entry order:
                 one table row read per entry, as our lookup reads them.
@@ -51,7 +53,7 @@ from benchmarks.bench_vs_torchrec import LEARNING_RATE, Ours, make_batch  # noqa
 from sc_framework.host_allocator import keep_freed_memory  # noqa: E402
 from sc_framework.primitives._row_ops import cpu_kernels_build  # noqa: E402
 from sc_framework.optimizers import SGD, RowWiseAdagrad  # noqa: E402
-from sc_framework.primitives import apply_embedding_gradients, embedding_lookup  # noqa: E402
+from sc_framework.primitives import apply_stacked_gradients, stacked_lookup  # noqa: E402
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "memory_floor.cc")
 
@@ -125,9 +127,10 @@ def measure(library, config, optimizer, repeats: int) -> dict:
   ready = ours.buffers(raw)
   floor = Floor(library, ours, ready)
   plan = ours.plan
-  cotangent = {f.name: jnp.full(f.output_shape, 0.01, jnp.float32) for f in plan.feature_specs}
-  lookup = jax.jit(lambda tables, b: embedding_lookup(plan, tables, b))
-  update = jax.jit(lambda v, b, step: apply_embedding_gradients(plan, v, b, cotangent, step),
+  cotangent = {s.name: jnp.full((s.total_batch_size, s.padded_embedding_dim), 0.01, jnp.float32)
+               for s in plan.layout.stacks}
+  lookup = jax.jit(lambda tables, b: stacked_lookup(plan, tables, b))
+  update = jax.jit(lambda v, b, step: apply_stacked_gradients(plan, v, b, cotangent, step),
                    donate_argnums=0)
 
   def our_lookup(_):

@@ -4,16 +4,22 @@ Configuration (issue default): 26 tables x 100,000 rows x dim 64, sum
 combiner, batch 4,096, 1-20 uniform ids per sample (--quick: 8 tables x
 50,000 rows, batch 1,024). Both sides train on the same raw batches with the
 same loss, sum 0.01 * log(cosh(a)) over the pooled activations a, whose
-gradient 0.01 * tanh(a) flows into the sparse update.
+gradient 0.01 * tanh(a) flows into the sparse update. Both take it over one
+array that holds every feature's activations: TorchRec's KeyedTensor.values()
+[B, 26 * 64], our stacked_lookup's [26 * B, 64] (whose gradient
+apply_stacked_gradients applies).
 
 Part 1, ours vs TorchRec, for SGD and row-wise Adagrad (lr 0.01):
   torchrec   one training step of torchrec's FusedEmbeddingBagCollection on
              CPU: KeyedJaggedTensor of the raw ids, forward, loss, backward;
              fbgemm's fused CPU kernels group and deduplicate the ids and
              apply the optimizer inside the backward pass.
-  ours_step  our jitted step (embedding_lookup + apply_embedding_gradients,
+  ours_step  our jitted step (stacked_lookup + apply_stacked_gradients,
              tables donated) on batch buffers already on the device: the
              CPU backend with the C++ kernels.
+  ours_step_features  the same step with the loss taken feature by feature
+             (embedding_lookup's dict + apply_embedding_gradients): 26
+             slices of the activations and a join of 26 gradients more.
   ours_e2e   `preprocess` of the raw batch (we group and deduplicate on the
              host) + jax.device_put + our step.
   ours_overlap  ours as the Trainer runs it: the step of one batch while a
@@ -22,13 +28,14 @@ Part 1, ours vs TorchRec, for SGD and row-wise Adagrad (lr 0.01):
   Two ratios, ours / TorchRec (< 1: we are faster): step = ours_step /
   torchrec and end to end = ours_e2e / torchrec; a third, overlapped =
   ours_overlap / torchrec.
-  The four cases are interleaved: every round runs each once, on that
+  The five cases are interleaved: every round runs each once, on that
   round's fresh batch, so a load change on a shared machine hits all four.
   Partition limits come from two warm-up batches (size_limits_from_stats,
   headroom 1.2), so no id is dropped.
 
 Part 2, ours vs plain JAX, for Adagrad, Adam and FTRL: our step on ready
-buffers against bench_embedding's plain-JAX step (26 separate tables, jnp.take
+buffers (the loss feature by feature, as the plain-JAX step takes it table by
+table) against bench_embedding's plain-JAX step (26 separate tables, jnp.take
 on padded ids, dense gradients through the full tables) followed by
 optax.adagrad / optax.adam, or for FTRL (optax has none) the textbook FTRL
 formula of sc_framework.optimizers.FTRL applied to the full tables. The two
@@ -76,7 +83,13 @@ from sc_framework.preprocessing import (  # noqa: E402
     preprocess,
     size_limits_from_stats,
 )
-from sc_framework.primitives import EmbeddingPlan, get_backend, init_embedding_variables  # noqa: E402
+from sc_framework.primitives import (  # noqa: E402
+    EmbeddingPlan,
+    apply_stacked_gradients,
+    get_backend,
+    init_embedding_variables,
+    stacked_lookup,
+)
 from sc_framework.primitives._row_ops import cpu_kernels_build  # noqa: E402
 
 LEARNING_RATE = 0.01
@@ -124,6 +137,19 @@ def padded_ids(raw) -> list[np.ndarray]:
 # ----------------------------------------------------------------------------- ours
 
 
+def stacked_step_fn(plan):
+  """bench_embedding's step with the loss over the stacked activations:
+  stacked_lookup, the gradient 0.01 * tanh(A) of every stack's whole array,
+  apply_stacked_gradients (variables donated)."""
+
+  def step(v, b, step):
+    stacked = stacked_lookup(plan, v.tables, b)
+    grads = {name: 0.01 * jax.numpy.tanh(a) for name, a in stacked.items()}
+    return apply_stacked_gradients(plan, v, b, grads, step)
+
+  return jax.jit(step, donate_argnums=0)
+
+
 class Ours:
   """Our model: one stack per config, a plan on the first device, its variables."""
 
@@ -137,7 +163,8 @@ class Ours:
     self.specs = size_limits_from_stats(specs, stats, layout=layout, headroom=1.2)
     self.plan = EmbeddingPlan.create(self.specs, mesh=mesh)
     self.backend = get_backend("auto", self.plan).name
-    self.step = step_fn(self.plan)
+    self.step = stacked_step_fn(self.plan)
+    self.feature_step = step_fn(self.plan)
     self.variables = init_embedding_variables(self.plan, jax.random.key(0))
     self.count = 0
 
@@ -148,7 +175,15 @@ class Ours:
     return jax.device_put(batch)
 
   def train(self, buffers) -> None:
-    self.variables = self.step(self.variables, buffers, self.count)
+    """One step, the loss over the stacked activations (`stacked_step_fn`)."""
+    self._run(self.step, buffers)
+
+  def train_features(self, buffers) -> None:
+    """One step, the loss feature by feature (bench_embedding's `step_fn`)."""
+    self._run(self.feature_step, buffers)
+
+  def _run(self, step, buffers) -> None:
+    self.variables = step(self.variables, buffers, self.count)
     self.count += 1
     jax.block_until_ready(self.variables)
 
@@ -224,6 +259,7 @@ def vs_torchrec(config, repeats: int) -> list[dict]:
     timing = time_interleaved({
         "torchrec": lambda i: torchrec.train(batches[i]),
         "ours_step": lambda i: ours.train(ready[i]),
+        "ours_step_features": lambda i: ours.train_features(ready[i]),
         "ours_e2e": lambda i: ours.train(ours.buffers(batches[i])),
         "ours_overlap": lambda i: overlapped(batches[i]),
     }, repeats)
@@ -232,6 +268,7 @@ def vs_torchrec(config, repeats: int) -> list[dict]:
         "optimizer": name, "backend": ours.backend,
         **{f"{case}_{key}": value for case, t in timing.items() for key, value in t.items()},
         "step_ratio": timing["ours_step"]["ms"] / timing["torchrec"]["ms"],
+        "step_features_ratio": timing["ours_step_features"]["ms"] / timing["torchrec"]["ms"],
         "e2e_ratio": timing["ours_e2e"]["ms"] / timing["torchrec"]["ms"],
         "overlap_ratio": timing["ours_overlap"]["ms"] / timing["torchrec"]["ms"],
     })
@@ -271,7 +308,8 @@ def vs_plain_jax(config, repeats: int) -> list[dict]:
     ours = Ours(num_tables, vocab, dim, batch, optimizer, warmup)
     ready = ours.buffers(raw)
     plain = plain_jax_runner(num_tables, vocab, dim, padded_ids(raw), baseline)
-    timing = time_interleaved({"plain_jax": plain, "ours_step": lambda i: ours.train(ready)}, repeats)
+    timing = time_interleaved({"plain_jax": plain, "ours_step": lambda i: ours.train_features(ready)},
+                              repeats)
     rows.append({
         "optimizer": name, "backend": ours.backend,
         **{f"{case}_{key}": value for case, t in timing.items() for key, value in t.items()},
@@ -314,9 +352,13 @@ def main(argv=None) -> dict:
             f" {torch.get_num_threads()} threads): {header}")
       print_table(rows, [
           ("optimizer", "optimizer", "s"), ("torchrec_ms", "TorchRec ms", ".1f"),
-          ("ours_step_ms", "ours step ms", ".1f"), ("ours_e2e_ms", "ours prep+step ms", ".1f"),
+          ("ours_step_ms", "ours step ms", ".1f"),
+          ("ours_step_features_ms", "step per feature ms", ".1f"),
+          ("ours_e2e_ms", "ours prep+step ms", ".1f"),
           ("ours_overlap_ms", "prep||step ms", ".1f"),
-          ("step_ratio", "step ours/TR", ".2f"), ("e2e_ratio", "prep+step ours/TR", ".2f"),
+          ("step_ratio", "step ours/TR", ".2f"),
+          ("step_features_ratio", "step per feature/TR", ".2f"),
+          ("e2e_ratio", "prep+step ours/TR", ".2f"),
           ("overlap_ratio", "prep||step ours/TR", ".2f"),
           ("torchrec_cpu_ms", "TR CPU ms", ".1f"), ("ours_step_cpu_ms", "step CPU ms", ".1f"),
           ("ours_e2e_cpu_ms", "prep+step CPU ms", ".1f"),

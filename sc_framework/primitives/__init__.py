@@ -2,6 +2,7 @@
 
 from sc_framework.primitives._api import (
     apply_embedding_gradients,
+    apply_stacked_gradients,
     embedding_lookup,
     split_stacked_activations,
     stack_activations,
@@ -41,6 +42,7 @@ __all__ = [
     "split_stacked_activations",
     "stack_activations",
     "apply_embedding_gradients",
+    "apply_stacked_gradients",
     "EmbeddingBackend",
     "PortableCpuBackendWarning",
     "XLA_BACKEND",

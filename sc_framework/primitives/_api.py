@@ -78,9 +78,23 @@ def stacked_lookup(
 def split_stacked_activations(plan: EmbeddingPlan,
                               stacked: dict[str, jax.Array]) -> dict[str, jax.Array]:
   """`stacked_lookup`'s result -> feature name -> activations (as `embedding_lookup`)."""
-  check_names("stacked activations", stacked, plan.layout.stack_names, "stacks",
-              "Pass stacked_lookup's result for this plan.")
+  _check_stacked(plan, stacked, "stacked activations", "Pass stacked_lookup's result for this plan.")
   return _shaped(plan, _sharded.split_stacks(plan, stacked))
+
+
+def _check_stacked(plan: EmbeddingPlan, stacked: dict[str, jax.Array], what: str,
+                   hint: str) -> None:
+  """`stacked` holds one [G * B_s, D'] array per stack of the plan (`stacked_lookup`'s form)."""
+  check_names(what, stacked, plan.layout.stack_names, "stacks", hint)
+  for stack in plan.layout.stacks:
+    shape = tuple(getattr(stacked[stack.name], "shape", ()))
+    expected = (stack.total_batch_size, stack.padded_embedding_dim)
+    if shape != expected:
+      raise ValueError(
+          f"{what}[{stack.name!r}] has shape {shape} but stack {stack.name!r} holds"
+          f" {expected}: the samples of its features {[f.name for f in stack.features]} over"
+          f" the batch, {stack.padded_embedding_dim} columns. {hint}"
+      )
 
 
 def stack_activations(plan: EmbeddingPlan,
@@ -154,3 +168,45 @@ def apply_embedding_gradients(
   return get_backend(backend, plan).apply_gradients(
       plan, variables, batch, _as_rows(plan, activation_grads, "activation_grads"), step
   )
+
+
+def apply_stacked_gradients(
+    plan: EmbeddingPlan,
+    variables: EmbeddingVariables,
+    batch: dict[str, StackBatch],
+    stacked_grads: dict[str, jax.Array],
+    step: jax.Array | int,
+    *,
+    backend: str | EmbeddingBackend = "auto",
+) -> EmbeddingVariables:
+  r"""`apply_embedding_gradients` with the gradients in `stacked_lookup`'s form.
+
+  stacked_grads[s] = dL/dA_s for the stacked activations A_s = stacked_lookup(...)[s]
+  ([G * B_s, D'], sharded over the batch): feature f's rows of device g are
+  where `stacked_lookup` puts its activations. The update is the one
+  `apply_embedding_gradients` applies to `split_stacked_activations(plan,
+  stacked_grads)`: the columns beyond a feature's D_f are ignored (A_s holds
+  zeros there). A model that computes its loss on the stacked activations
+  (one array per stack, as TorchRec's KeyedTensor.values()) gets its gradient
+  in this form and skips cutting it into features and joining them again.
+
+  Args:
+    plan: the embedding plan (static under jit).
+    variables: the tables and slots.
+    batch: the batch the activations were looked up with.
+    stacked_grads: stack name -> [G * B_s, D'] gradient of the loss.
+    step: the number of updates applied so far.
+    backend: "auto", a registered backend name or an EmbeddingBackend value.
+
+  Returns:
+    The updated EmbeddingVariables.
+  """
+  check_variables(plan, variables)
+  check_batch(plan, batch)
+  _check_stacked(plan, stacked_grads, "stacked_grads",
+                 "Pass the gradient of the loss with respect to stacked_lookup's result.")
+  chosen = get_backend(backend, plan)
+  if chosen.apply_stacked_gradients is not None:
+    return chosen.apply_stacked_gradients(plan, variables, batch, stacked_grads, step)
+  return chosen.apply_gradients(plan, variables, batch, _sharded.split_stacks(plan, stacked_grads),
+                                step)

@@ -55,6 +55,10 @@ class EmbeddingBackend:
       its samples of every feature of the stack, feature after feature, in
       the stack's order; `stacked_lookup`). Without it they are joined from
       `lookup`'s result, which costs one copy.
+    apply_stacked_gradients: optional (plan, variables, batch, stacked_grads,
+      step) -> variables, with the gradients in `lookup_stacks`' form
+      (`sc_framework.primitives.apply_stacked_gradients`). Without it they
+      are split into features for `apply_gradients`, which costs one copy.
     installed: () -> whether its implementation is present in this
       installation (e.g. the C++ kernels were built); `available_backends`
       lists only installed backends.
@@ -67,6 +71,7 @@ class EmbeddingBackend:
   priority: int = 0
   description: str = ""
   lookup_stacks: Callable[..., Any] | None = None
+  apply_stacked_gradients: Callable[..., Any] | None = None
   installed: Callable[[], bool] = lambda: True
 
 
@@ -101,13 +106,17 @@ def _all_cpu(plan: EmbeddingPlan) -> bool:
 
 
 XLA_BACKEND = EmbeddingBackend("xla", _sharded.lookup, _sharded.apply_gradients,
-                               lookup_stacks=_sharded.lookup_stacks, priority=0,
+                               lookup_stacks=_sharded.lookup_stacks,
+                               apply_stacked_gradients=_sharded.apply_stacked_gradients,
+                               priority=0,
                                description="portable XLA ops")
 CPU_BACKEND = EmbeddingBackend(
     "cpu",
     functools.partial(_sharded.lookup, ops=CPU_KERNEL_OPS),
     functools.partial(_sharded.apply_gradients, ops=CPU_KERNEL_OPS),
     lookup_stacks=functools.partial(_sharded.lookup_stacks, ops=CPU_KERNEL_OPS),
+    apply_stacked_gradients=functools.partial(_sharded.apply_stacked_gradients,
+                                              ops=CPU_KERNEL_OPS),
     supports=_all_cpu,
     priority=1,
     description="multi-threaded C++ kernels",

@@ -128,6 +128,25 @@ def _join_features(plan: EmbeddingPlan, stack: StackLayout, grads: dict[str, jax
   return jnp.concatenate(parts, axis=0)
 
 
+def _logical_columns(plan: EmbeddingPlan, stack: StackLayout, grads: jax.Array) -> jax.Array:
+  """A device's stacked gradients [B_loc, D'] with the padding columns zeroed.
+
+  Feature f's rows keep their first D_f columns; the columns beyond carry no
+  meaning (the lookup leaves them 0), so they must not reach the update. A
+  stack whose features all have D_f = D' is returned as it is.
+  """
+  width = stack.padded_embedding_dim
+  dims = []
+  for feature in stack.features:
+    size = feature.batch_size // plan.num_devices
+    dims.append(np.full(size, plan.feature(feature.name).table.embedding_dim, np.int32))
+  dims = np.concatenate(dims)
+  if (dims == width).all():
+    return grads
+  columns = np.arange(width, dtype=np.int32)
+  return jnp.where(jnp.asarray(columns[None, :] < dims[:, None]), grads, 0)
+
+
 def _row_dims(stack: StackLayout, owned: jax.Array) -> jax.Array:
   """The logical dimension of each owned row's table."""
   offsets = np.array([t.row_offset for t in stack.tables], np.int32)
@@ -256,14 +275,21 @@ def join_stacks(plan: EmbeddingPlan, features: dict[str, jax.Array]) -> dict[str
   }
 
 
-def _update_program(plan: EmbeddingPlan, ops: RowOps, stack: StackLayout) -> Callable[..., Any]:
-  """One stack's fused update over the mesh: (table, slots, grads, *batch, step) -> (table, slots)."""
+def _update_program(plan: EmbeddingPlan, ops: RowOps, stack: StackLayout,
+                    per_device: Callable[..., Any]) -> Callable[..., Any]:
+  """One stack's fused update over the mesh: (table, slots, grads, *batch, step) -> (table, slots).
+
+  `per_device(plan, stack, grads)` turns each device's part of `grads` into
+  its stacked gradients [B_loc, D'] (joins the features' gradients, or
+  zeroes the padding columns of stacked ones).
+  """
   rows = PartitionSpec(plan.axis_name)
 
   def body(table, slot_arrays, grads, unique_rows, samples, unique_index, gains, step):
-    joined = _join_features(plan, stack, grads)
+    stacked = per_device(plan, stack, grads)
     return _local_update(
-        plan, ops, stack, table, slot_arrays, joined, unique_rows, samples, unique_index, gains, step
+        plan, ops, stack, table, slot_arrays, stacked, unique_rows, samples, unique_index, gains,
+        step
     )
 
   return jax.shard_map(
@@ -273,6 +299,20 @@ def _update_program(plan: EmbeddingPlan, ops: RowOps, stack: StackLayout) -> Cal
       out_specs=(rows, rows),
       check_vma=False,
   )
+
+
+def _apply(plan: EmbeddingPlan, variables: EmbeddingVariables, batch: dict[str, StackBatch],
+           grads_of: Callable[[StackLayout], Any], step, ops: RowOps,
+           per_device: Callable[..., Any]) -> EmbeddingVariables:
+  """Runs each stack's update on every device (see `_update_program`)."""
+  tables, slots = dict(variables.tables), dict(variables.slots)
+  step = jnp.asarray(step, jnp.int32)
+  for stack in plan.layout.stacks:
+    tables[stack.name], slots[stack.name] = _run(
+        _update_program, (plan, ops, stack, per_device), tables[stack.name], slots[stack.name],
+        grads_of(stack), *batch[stack.name], step
+    )
+  return EmbeddingVariables(tables, slots)
 
 
 def apply_gradients(
@@ -285,12 +325,20 @@ def apply_gradients(
     ops: RowOps = XLA_OPS,
 ) -> EmbeddingVariables:
   """Fused update; see `sc_framework.primitives.apply_embedding_gradients`."""
-  tables, slots = dict(variables.tables), dict(variables.slots)
-  step = jnp.asarray(step, jnp.int32)
-  for stack in plan.layout.stacks:
-    grads = {f.name: activation_grads[f.name] for f in stack.features}
-    tables[stack.name], slots[stack.name] = _run(
-        _update_program, (plan, ops, stack), tables[stack.name], slots[stack.name], grads,
-        *batch[stack.name], step
-    )
-  return EmbeddingVariables(tables, slots)
+  return _apply(plan, variables, batch,
+                lambda stack: {f.name: activation_grads[f.name] for f in stack.features},
+                step, ops, _join_features)
+
+
+def apply_stacked_gradients(
+    plan: EmbeddingPlan,
+    variables: EmbeddingVariables,
+    batch: dict[str, StackBatch],
+    stacked_grads: dict[str, jax.Array],
+    step: jax.Array,
+    *,
+    ops: RowOps = XLA_OPS,
+) -> EmbeddingVariables:
+  """Fused update from per-stack gradients; see `sc_framework.primitives.apply_stacked_gradients`."""
+  return _apply(plan, variables, batch, lambda stack: stacked_grads[stack.name], step, ops,
+                _logical_columns)

@@ -44,6 +44,7 @@ from sc_framework.primitives import (
     EmbeddingPlan,
     EmbeddingVariables,
     apply_embedding_gradients,
+    apply_stacked_gradients,
     available_backends,
     embedding_lookup,
     get_backend,
@@ -708,6 +709,88 @@ def test_stacked_lookup_holds_each_features_activations_in_its_rows(geometry, se
         assert_same_bits(again[stack_name], array)
         assert again[stack_name].sharding.is_equivalent_to(array.sharding, array.ndim)
   assert checked == (["xla", "cpu"] if cpu_kernels_available() else ["xla"]), checked
+
+
+@pytest.mark.parametrize("geometry", ["1x1", "8x2"])
+@pytest.mark.parametrize("seed", [5, 6])
+def test_apply_stacked_gradients_applies_the_gradients_of_each_features_rows(geometry, seed):
+  """apply_stacked_gradients(G) applies split_stacked_activations(G): feature f's
+  rows of G are its gradient and the columns beyond its D_f are ignored (here
+  random, and row-wise Adagrad's squared norm would see them). Checked
+  against the dense autodiff gradient with the textbook rule, and against
+  apply_embedding_gradients of the split gradients: bit for bit on the C++
+  kernels (the same inputs reach the same kernel), within the tolerance on
+  the portable ops (XLA may fuse the masking into the sums). A backend
+  without its own stacked update gets the split one."""
+  opt = OPTIMIZERS["rowwise_adagrad"]
+  features = _features(opt.spec, ("sum", "sqrtn"))
+  plan = _plan(features, *GEOMETRIES[geometry])
+  rng = np.random.default_rng(seed)
+  raw = _random_batch(rng, features)
+  batch, _ = preprocess(raw.inputs, features, plan.layout, padding_id=PADDING_ID)
+  variables = init_embedding_variables(plan, jax.random.key(seed))
+  initial = _snapshot(plan, variables)
+  stacked_grads = {
+      stack.name: rng.normal(size=(stack.total_batch_size, stack.padded_embedding_dim))
+      .astype(np.float32)
+      for stack in plan.layout.stacks
+  }
+  split = {k: np.asarray(v) for k, v in
+           jax.jit(lambda g: split_stacked_activations(plan, g))(stacked_grads).items()}
+  assert any(split[f.name].shape[-1] < s.padded_embedding_dim
+             for s in plan.layout.stacks for f in s.features)  # padding columns exist
+
+  dense_grads = _dense_table_grads(initial.tables, raw, features, split)
+  touched = _touched_rows(raw, features)
+  expected = {}
+  for name, table in initial.tables.items():
+    w, rows = table.astype(np.float64), touched[name]
+    state = {slot: initial.slots[slot][name][rows].astype(np.float64) for slot in initial.slots}
+    w[rows], _ = opt.reference(w[rows], dense_grads[name][rows], state, 0, _lr(opt.spec, 0),
+                               w.shape[1])
+    expected[name] = w
+  terms = _sum_terms(features)
+
+  def update(fn, backend):
+    return jax.jit(lambda v, b, g: fn(plan, v, b, g, 0, backend=backend))(
+        variables, batch, stacked_grads if fn is apply_stacked_gradients else split)
+
+  checked = []
+  for name in available_backends(plan):
+    backend = get_backend(name, plan)
+    assert backend.apply_stacked_gradients is not None, name
+    per_feature = _snapshot(plan, update(apply_embedding_gradients, backend))
+    without = EmbeddingBackend(f"{name}-split", backend.lookup, backend.apply_gradients)
+    for chosen in (backend, without):
+      got = _snapshot(plan, update(apply_stacked_gradients, chosen))
+      for table, value in got.tables.items():
+        assert_close(value, expected[table], terms=terms, err_msg=f"{chosen.name} {table}")
+        assert np.abs(value - initial.tables[table]).max() > 1e-3, table
+      compare = assert_same_bits if name == "cpu" else functools.partial(assert_close, terms=terms)
+      for stack, value in got.stacked_tables.items():
+        compare(value, per_feature.stacked_tables[stack], err_msg=f"{chosen.name} {stack}")
+        for slot, array in got.stacked_slots[stack].items():
+          compare(array, per_feature.stacked_slots[stack][slot], err_msg=f"{chosen.name} {slot}")
+    checked.append(name)
+  assert checked == (["xla", "cpu"] if cpu_kernels_available() else ["xla"]), checked
+
+
+def test_apply_stacked_gradients_refuses_missing_or_misshapen_stacks():
+  features = _features(SGD(0.5), ("sum", "mean"))
+  plan = _plan(features, 1, 1)
+  variables = init_embedding_variables(plan, jax.random.key(0))
+  batch, _ = preprocess(_random_batch(np.random.default_rng(0), features).inputs, features,
+                        plan.layout, padding_id=PADDING_ID)
+  good = {s.name: jnp.ones((s.total_batch_size, s.padded_embedding_dim))
+          for s in plan.layout.stacks}
+  first, second = plan.layout.stack_names[:2]
+  with pytest.raises(ValueError, match=rf"stacked_grads has stacks .*\(missing \['{second}'\]"):
+    apply_stacked_gradients(plan, variables, batch, {first: good[first]}, 0)
+  wrong = jnp.ones((3, 4))
+  with pytest.raises(ValueError, match=rf"stacked_grads\['{first}'\] has shape \(3, 4\)"):
+    apply_stacked_gradients(plan, variables, batch, {**good, first: wrong}, 0)
+  with pytest.raises(ValueError, match=rf"stacked activations\['{first}'\] has shape \(3, 4\)"):
+    split_stacked_activations(plan, {**good, first: wrong})
 
 
 def test_stack_activations_refuses_missing_or_misshapen_features():
