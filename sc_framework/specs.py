@@ -46,7 +46,14 @@ class TableSpec:
     name: unique among the tables of a model.
     vocabulary_size: V, the number of logical rows; ids must be in [0, V).
     embedding_dim: D, the number of logical columns.
-    initializer: `(key, shape, dtype) -> array`, called with shape (rows, D).
+    initializer: `(key, shape, dtype) -> array`, called once per logical row
+      with shape (1, D) and a key of the row's own (from the table's name
+      and the row index), so a row's initial values do not depend on the
+      stacking or the device count. Initializers that scale by the fans of
+      `shape` see fan_in = 1 and fan_out = D: glorot_*, he_*, lecun_* and
+      orthogonal (a unit row) do not give the scale they give a (V, D)
+      array. For a standard deviation of 1/sqrt(D) use the default or
+      `jax.nn.initializers.variance_scaling(1.0, "fan_out", "normal")`.
     optimizer: the sparse optimizer applied to this table's touched rows.
     combiner: how a sample's rows are combined: 'sum' (sum of w_j x_j),
       'mean' (sum of w_j x_j / sum of w_j) or 'sqrtn'

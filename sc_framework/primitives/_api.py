@@ -6,7 +6,13 @@ import jax
 
 from sc_framework.preprocessing._batch import StackBatch
 from sc_framework.primitives import _sharded
-from sc_framework.primitives._checks import check_batch, check_names, check_tables, check_variables
+from sc_framework.primitives._checks import (
+    check_batch,
+    check_names,
+    check_step,
+    check_tables,
+    check_variables,
+)
 from sc_framework.primitives._backend import EmbeddingBackend, get_backend
 from sc_framework.primitives._plan import EmbeddingPlan
 from sc_framework.primitives._state import EmbeddingVariables
@@ -165,6 +171,7 @@ def apply_embedding_gradients(
   """
   check_variables(plan, variables)
   check_batch(plan, batch)
+  check_step(step)
   return get_backend(backend, plan).apply_gradients(
       plan, variables, batch, _as_rows(plan, activation_grads, "activation_grads"), step
   )
@@ -203,6 +210,7 @@ def apply_stacked_gradients(
   """
   check_variables(plan, variables)
   check_batch(plan, batch)
+  check_step(step)
   _check_stacked(plan, stacked_grads, "stacked_grads",
                  "Pass the gradient of the loss with respect to stacked_lookup's result.")
   chosen = get_backend(backend, plan)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -82,6 +83,29 @@ def check_variables(plan: EmbeddingPlan, variables: Any) -> None:
             f" slot {name!r} of stack {stack.name!r} is {expected}. The slots belong to another"
             " layout or optimizer: restore or convert them into this plan's layout."
         )
+
+
+def check_step(step: Any) -> None:
+  """`step` is an integer scalar in [0, 2^31): the number of updates applied so far.
+
+  Its value is checked when known (not traced): a negative step would give
+  Adam a zero bias correction, a float one would be cut silently.
+  """
+  hint = ("step is the number of updates applied so far: pass a Python int or an integer"
+          " scalar array (e.g. the state's int32 step counter), 0 for the first update.")
+  if isinstance(step, (bool, np.bool_)):
+    raise TypeError(f"step must be an integer scalar, got the bool {step!r}. {hint}")
+  if not isinstance(step, int):
+    dtype = getattr(step, "dtype", None)
+    if dtype is None or np.shape(step) != () or not np.issubdtype(dtype, np.integer):
+      described = (f"an array of dtype {dtype} and shape {np.shape(step)}" if dtype is not None
+                   else f"{type(step).__name__} {step!r}")
+      raise TypeError(f"step must be an integer scalar, got {described}. {hint}")
+    if isinstance(step, jax.core.Tracer):
+      return
+  value = int(step)
+  if not 0 <= value < 2**31:
+    raise ValueError(f"step must be in [0, 2^31), got {value}. {hint}")
 
 
 def check_batch(plan: EmbeddingPlan, batch: Mapping[str, Any], what: str = "batch",

@@ -20,18 +20,20 @@ import pytest
 from jax.sharding import Mesh
 
 from sc_framework import FeatureSpec, TableSpec
-from sc_framework.optimizers import SGD, RowWiseAdagrad
+from sc_framework.optimizers import SGD, Adam, RowWiseAdagrad
 from sc_framework.preprocessing import StackBatch, preprocess
 from sc_framework.primitives import (
     EmbeddingPlan,
     EmbeddingVariables,
     apply_embedding_gradients,
+    apply_stacked_gradients,
     embedding_lookup,
     init_embedding_variables,
     split_stacked_activations,
     stacked_lookup,
 )
 from sc_framework.stacking import auto_stack_tables, check_rows_addressable
+from tests.numerics import assert_close
 
 BATCH = 16
 
@@ -103,6 +105,45 @@ def test_a_wider_table_is_refused_before_the_update():
   with pytest.raises(ValueError, match=r"has shape \(\d+, 16\) but stack"):
     apply_embedding_gradients(plan, variables._replace(tables={stack.name: wider}),
                               _batch(features, plan), _grads(features), 0)
+
+
+@pytest.mark.parametrize("step, error, message", [
+    (-1, ValueError, r"step must be in \[0, 2\^31\), got -1"),
+    (2**31, ValueError, r"got 2147483648"),
+    (1.7, TypeError, r"step must be an integer scalar, got float 1.7"),
+    (True, TypeError, r"got the bool True"),
+    (np.array([0, 1]), TypeError, r"dtype int64 and shape \(2,\)"),
+    (np.float32(2), TypeError, r"dtype float32 and shape \(\)"),
+    (None, TypeError, r"got NoneType None"),
+])
+def test_a_step_that_is_no_count_of_updates_is_refused(step, error, message):
+  """Adam's bias correction at step -1 is 0 (NaN rows), a float step would be
+  cut: both updates refuse such steps, naming them, before touching a row."""
+  features = _features(Adam(0.1))
+  plan = _plan(features)
+  variables = init_embedding_variables(plan, jax.random.key(0))
+  batch = _batch(features, plan)
+  stacked = {s.name: jnp.ones((s.total_batch_size, s.padded_embedding_dim))
+             for s in plan.layout.stacks}
+  with pytest.raises(error, match=message):
+    apply_embedding_gradients(plan, variables, batch, _grads(features), step)
+  with pytest.raises(error, match=message):
+    apply_stacked_gradients(plan, variables, batch, stacked, step)
+
+
+def test_integer_steps_of_every_form_are_accepted_also_traced():
+  features = _features(Adam(0.1))
+  plan = _plan(features)
+  variables = init_embedding_variables(plan, jax.random.key(0))
+  batch = _batch(features, plan)
+  results = [apply_embedding_gradients(plan, variables, batch, _grads(features), step)
+             for step in (3, np.int64(3), jnp.int32(3), np.array(3, np.uint8))]
+  results.append(jax.jit(lambda v, b, s: apply_embedding_gradients(plan, v, b, _grads(features), s))(
+      variables, batch, jnp.int32(3)))
+  for result in results[1:]:  # one program traced eagerly or inside a jit: fusions may differ
+    for name, table in result.tables.items():
+      assert_close(table, results[0].tables[name], terms=BATCH * 3)
+  assert all(np.isfinite(t).all() for t in results[0].tables.values())
 
 
 def test_missing_or_unknown_stacks_are_named():
@@ -353,6 +394,24 @@ def test_an_initializer_of_another_shape_is_refused_naming_the_table(initializer
   with pytest.raises(ValueError, match=rf"table 'users': its initializer returned an array of"
                      rf" shape {re.escape(returned)} when asked for shape \(1, 8\)"):
     init_embedding_variables(plan, jax.random.key(0))
+
+
+def test_an_initializer_is_asked_for_one_row_and_the_documented_recipe_scales_by_d():
+  """TableSpec's docstring: (1, D) per row, so fan-based initializers see
+  fan_in = 1; variance_scaling(1, 'fan_out', 'normal') gives 1/sqrt(D)."""
+  shapes = []
+  recipe = jax.nn.initializers.variance_scaling(1.0, "fan_out", "normal")
+
+  def recorded(key, shape, dtype):
+    shapes.append(tuple(shape))
+    return recipe(key, shape, dtype)
+
+  table = TableSpec("users", 4000, 16, initializer=recorded)
+  plan = _plan((FeatureSpec("user", table, (BATCH, 2)),))
+  (stack,) = init_embedding_variables(plan, jax.random.key(0)).tables.values()
+  assert set(shapes) == {(1, 16)}
+  values = np.asarray(stack)[:4000, :16]
+  assert abs(values.std() / 0.25 - 1) < 0.05, values.std()
 
 
 def test_an_initializer_may_return_numpy_or_another_dtype():
