@@ -227,9 +227,11 @@ def preprocess(
     ValueError: a missing or unknown feature, a batch size that differs from
       the spec or is not divisible by G, an id outside [0, V) that is not the
       padding id, weights that do not match the ids or are not finite, a mean
-      over weights summing to 0, weights that float32 cannot hold or so large
-      that a gain overflows float32, or (without dropping) a partition overflow;
-      each message names the feature or stack, the value and a fix.
+      over weights that cancel to a sum of 0 (a sample whose weights are all
+      0 gets zero activations under 'mean' and 'sqrtn', as one without ids),
+      weights that float32 cannot hold or so large that a gain overflows
+      float32, or (without dropping) a partition overflow; each message names
+      the feature or stack, the value and a fix.
     TypeError: ids that are not integers, a malformed input (a numpy masked
       array included: its mask would be dropped), or an allow_id_dropping that
       is not a bool.
