@@ -89,6 +89,32 @@ def chain_problems(item: epath.PathLike, depth: _integrity.Depth) -> list[_integ
   return problems
 
 
+def verify_item(item: epath.PathLike) -> None:
+  """Checks an embedding item, and the earlier links of its chain, before a restore reads them.
+
+  An item inside a step with an integrity manifest (every step a
+  `CheckpointManager` writes) is checked at depth 'items': every file of
+  the item against the manifest, so also chunks saved without the crc32c
+  codec (`StorageOptions(checksum="none")`); then the earlier steps of its
+  delta chain against theirs. A bare item, or one in a step without a
+  manifest (written by Orbax's own managers), has nothing to be checked
+  against: its chunks' crc32c codec is checked as they are read.
+
+  Raises:
+    CorruptCheckpointError: naming every damaged, missing or linked file.
+    BrokenChainError: a link of the chain is missing or unreadable.
+  """
+  item = epath.Path(item)
+  step = item.parent
+  manifest = step / _integrity.INTEGRITY_FILE
+  if not (_integrity.is_link(manifest) or manifest.exists()):
+    return
+  what = f"checkpoint step {step.name} ({step})"
+  _integrity.raise_for(_integrity.check_step(step, depth="items", items=[item.name]), what)
+  _integrity.raise_for(chain_problems(item, "items"),
+                       f"the delta chain of checkpoint step {step.name} (its earlier steps; {step})")
+
+
 def walk_chain(item: epath.PathLike) -> list[tuple[epath.Path, DeltaManifest | None]]:
   """The chain of an item, base first: (item directory, its delta manifest or None).
 

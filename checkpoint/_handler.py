@@ -28,7 +28,7 @@ from jax.sharding import Mesh
 
 from checkpoint import _delta, _optimizers, _save, _storage
 from checkpoint._assembly import OnSlotMismatch
-from checkpoint._chain import open_reader
+from checkpoint._chain import open_reader, verify_item
 from checkpoint._format import MANIFEST_FILE
 from checkpoint._inspect import describe_item
 from checkpoint._restore import TableArrays, read_tables, restore_to_mesh
@@ -84,7 +84,12 @@ class EmbeddingCheckpointHandler(ocp.AsyncCheckpointHandler):
   def restore(
       self, directory: epath.Path, args: "EmbeddingRestore | TableRestore | None" = None
   ) -> EmbeddingVariables | TableArrays:
-    """Restores into a layout on a mesh (`EmbeddingRestore`) or per table (`TableRestore`)."""
+    """Restores into a layout on a mesh (`EmbeddingRestore`) or per table (`TableRestore`).
+
+    An item of a step with an integrity manifest is verified against it
+    first (`checkpoint._chain.verify_item`), whoever calls the restore.
+    """
+    verify_item(directory)
     reader = open_reader(directory)  # A delta item reads as its chain.
     if isinstance(args, EmbeddingRestore):
       slot_specs, optimizers = _optimizers.resolve(

@@ -18,7 +18,7 @@ import pytest
 
 import checkpoint as ck
 from checkpoint.cli import main
-from ckpt_testlib import make_model
+from ckpt_testlib import AXIS, make_mesh, make_model
 from sc_framework.optimizers import Adam, RowWiseAdagrad
 from sc_framework.stacking import logical_to_global_rows
 from tests.numerics import assert_same_bits
@@ -84,6 +84,31 @@ def test_a_changed_chunk_of_a_step_without_chunk_checksums_fails_naming_it(tmp_p
   # The embedding item alone is checked against its step's manifest too.
   _convert_fails_naming(capsys, step / "embedding", tmp_path / "out", damaged,
                         ck.CorruptCheckpointError)
+
+
+@pytest.mark.parametrize("seed", [2, 3])
+def test_a_changed_chunk_without_chunk_checksums_fails_every_restore_of_its_item(tmp_path, seed):
+  """The handler checks the item against its step's manifest whoever calls it
+  (Orbax's Checkpointer, or the handler itself, per table or into a layout),
+  as the manager does. Before, only the manager did, and the others returned
+  the flipped values."""
+  model, step = _step(tmp_path, seed=seed, storage=ck.StorageOptions(checksum="none"))
+  _check_tables(model, step / "embedding")  # sound: restores bit for bit
+  chunks = sorted((step / "embedding").glob("stacks/*/*/c/*/0"))
+  damaged = chunks[seed * 5 % len(chunks)]
+  _flip(damaged, 11 + seed)
+  layout = model.layout([["a"], ["b", "c"]], 2)
+  into_layout = ck.EmbeddingRestore(layout, make_mesh(2), AXIS)
+  handler = ck.EmbeddingCheckpointHandler()
+  for restore in (
+      lambda: handler.restore(step / "embedding", ck.TableRestore()),
+      lambda: handler.restore(step / "embedding", ck.TableRestore(tables=["a"], rows=(0, 3))),
+      lambda: handler.restore(step / "embedding", into_layout),
+      lambda: ocp.Checkpointer(handler).restore(step / "embedding", args=ck.TableRestore()),
+  ):
+    with pytest.raises(ck.CorruptCheckpointError, match="checksum mismatch") as raised:
+      restore()
+    assert str(damaged) in str(raised.value)
 
 
 @pytest.mark.parametrize("file, edit", [
