@@ -38,6 +38,7 @@ from checkpoint._format import MANIFEST_FILE
 from checkpoint._handler import EmbeddingSave
 from checkpoint._rows_tracker import UpdatedRows
 from sc_framework._scalars import python_scalar_fields
+from sc_framework.stacking import EmbeddingLayout
 
 SaveKind = Literal["auto", "full", "delta"]
 
@@ -162,6 +163,8 @@ class IncrementalSaves:
       )
     if self.policy is None or updated_rows is None or save_kind == "full":
       return embedding
+    if isinstance(updated_rows, UpdatedRows):
+      _check_tracker_layout(updated_rows.layout, embedding.layout)
     rows = updated_rows.rows() if isinstance(updated_rows, UpdatedRows) else dict(updated_rows)
     total = sum(stack.vocabulary_size for stack in embedding.layout.stacks)
     share = sum(np.asarray(r).size for r in rows.values()) / max(1, total)
@@ -210,3 +213,29 @@ class IncrementalSaves:
     except CheckpointError as error:
       return str(error)
     return None
+
+
+def _check_tracker_layout(tracked: EmbeddingLayout, saved: EmbeddingLayout) -> None:
+  """An UpdatedRows tracker holds global rows of its own layout: only that one can be saved.
+
+  Its rows in another layout are other logical rows, so a delta would keep
+  old values of rows that were updated (after a restore into a new layout,
+  a tracker kept from before it).
+  """
+  if tracked == saved:
+    return
+
+  def describe(layout: EmbeddingLayout) -> str:
+    return (f"G={layout.num_devices}, S={layout.shards_per_device}, stacks"
+            f" {[(stack.name, stack.table_names) for stack in layout.stacks]}")
+
+  difference = (f"{describe(tracked)} against {describe(saved)}"
+                if describe(tracked) != describe(saved)
+                else "the same devices and stacks, but other table sizes, offsets or rotations")
+  raise ValueError(
+      f"updated_rows tracks the rows of another layout than the state being saved"
+      f" ({difference}): its global rows would name other rows of these tables, and the delta"
+      " would miss updates. Give the tracker the layout of the tables it follows"
+      " (UpdatedRows(embedding.layout), made again after a restore into another layout), or"
+      " save this step in full (save_kind='full')."
+  )

@@ -433,3 +433,31 @@ def test_a_chain_continues_in_another_layout_after_a_restore(tmp_path):
           ck.EmbeddingRestore(layout, make_mesh(layout.num_devices), AXIS))
       model.logical = expected
       model.check(layout, restored.tables)
+
+
+def test_a_tracker_of_another_layout_is_refused_before_anything_is_written(tmp_path):
+  """A tracker kept from before a restore into another layout holds global rows
+  of the old one: in the new one they name other rows (here rows 2 and 3 of
+  table a would have kept their old values in the delta). Same stack names and
+  V_s, so only the layouts themselves tell."""
+  model = make_model([("a", 64, 8, RowWiseAdagrad())], seed=13)
+  old, new = model.layout([["a"]], 8, 1), model.layout([["a"]], 4, 1)
+  assert old.stack("a").shape == new.stack("a").shape
+  policy = ck.IncrementalPolicy(max_delta_share=1.0)
+  with ck.CheckpointManager(tmp_path, keep_latest=10, incremental=policy) as mngr:
+    _save(mngr, 0, model, new, ck.UpdatedRows(new))
+    stale = ck.UpdatedRows(old)
+    rows = np.array([1, 2, 3])
+    model.logical["a"][rows] += 1.0
+    stale.add("a", logical_to_global_rows(old, "a", rows))
+    with pytest.raises(ValueError, match=r"updated_rows tracks the rows of another layout than"
+                       r" the state being saved \(G=8, S=1.* against G=4, S=1"):
+      _save(mngr, 1, model, new, stale)
+    assert mngr.all_steps() == [0]
+    tracker = ck.UpdatedRows(new)
+    tracker.add("a", logical_to_global_rows(new, "a", rows))
+    _save(mngr, 1, model, new, tracker)
+  assert ck.inspect(tmp_path / "1")["embedding"]["chain"][-1]["kind"] == "delta"
+  restored = ck.EmbeddingCheckpointHandler().restore(tmp_path / "1" / "embedding",
+                                                     ck.TableRestore())
+  assert_same_bits(restored.tables["a"], model.logical["a"])
