@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Sequence
+
 import numpy as np
 from etils import epath
 
@@ -32,6 +34,7 @@ from checkpoint import _integrity, _storage
 from checkpoint._delta import DeltaItem, DeltaManifest, is_delta_manifest
 from checkpoint._direct import ChunkCache
 from checkpoint._errors import (
+    CheckpointError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
     NotACheckpointError,
@@ -194,6 +197,101 @@ def _link_states(item: epath.Path, manifest: DeltaManifest | None):
   return table_states(state, layout)
 
 
+def check_deltas_keep_base(base_directory: epath.Path, base_states: dict,
+                           deltas: Sequence[DeltaItem]) -> dict[str, str | None]:
+  """Raises unless every delta keeps its tables as the base has them (`table_states`).
+
+  Args:
+    base_directory: the chain's base item (named in messages).
+    base_states: `table_states` of the base.
+    deltas: the chain's deltas, oldest first.
+
+  Returns:
+    Table -> the optimizer the chain records for its slots (None: none).
+
+  Raises:
+    IncompatibleCheckpointError: a delta updates a table the base lacks,
+      stores one with another shape, slots or dtypes, or records another
+      optimizer than an earlier link.
+  """
+  optimizer_names = {table: name for table, (_, name) in base_states.items()}
+  for delta in deltas:
+    for table, (found, optimizer) in table_states(delta.manifest.state, delta.layout).items():
+      if table not in base_states:
+        raise IncompatibleCheckpointError(
+            f"delta {delta.directory} updates table {table!r}, which its base"
+            f" {base_directory} does not hold (it holds {sorted(base_states)})."
+        )
+      wanted = base_states[table][0]
+      for key in found:
+        if found[key] != wanted[key]:
+          raise IncompatibleCheckpointError(
+              f"delta {delta.directory} stores table {table!r} with {key}"
+              f" {found[key]} but its base {base_directory} has {wanted[key]}; a chain"
+              " keeps its tables. Save a full checkpoint after changing tables or optimizer."
+          )
+      known = optimizer_names.get(table)
+      if optimizer is not None and known not in (None, optimizer):
+        raise IncompatibleCheckpointError(
+            f"delta {delta.directory} stores table {table!r} with the slots of optimizer"
+            f" {optimizer!r}, but the steps before it in its chain (base"
+            f" {base_directory}) hold them for optimizer {known!r}; a chain keeps its"
+            " optimizer. Restore a step before this delta; after changing the optimizer,"
+            " save a full checkpoint."
+        )
+      if optimizer is not None:
+        optimizer_names[table] = optimizer
+  return optimizer_names
+
+
+def item_states(item: epath.PathLike) -> dict:
+  """`table_states` of an item as a chain's base would read it (its own manifest)."""
+  item = epath.Path(item)
+  return _link_states(item, delta_manifest(item))
+
+
+def check_chain_states(item: epath.PathLike) -> None:
+  """Raises unless the deltas of an item's chain keep the base's tables (reads manifests only).
+
+  Raises:
+    BrokenChainError: a link is missing or unreadable.
+    IncompatibleCheckpointError: as `check_deltas_keep_base`.
+    CorruptCheckpointError: a delta's layout or part markers are missing.
+  """
+  links = walk_chain(item)
+  if len(links) > 1:
+    check_deltas_keep_base(links[0][0], _link_states(*links[0]),
+                           [DeltaItem(path, manifest) for path, manifest in links[1:]])
+
+
+def dependent_deltas(step_dir: epath.PathLike, item_name: str) -> list[list[DeltaItem]]:
+  """The chains of the later steps of a root that read `step_dir`'s item.
+
+  For every step of `step_dir`'s root numbered after it whose item
+  `item_name` is a delta whose chain passes through `step_dir`: the deltas
+  of that chain after it, oldest first. Chains that cannot be read are left
+  out (verify names them).
+  """
+  step_dir = epath.Path(step_dir)
+  if not step_dir.name.isdigit() or not step_dir.parent.is_dir():
+    return []
+  out = []
+  for sibling in step_dir.parent.iterdir():
+    item = sibling / item_name
+    if (not sibling.name.isdigit() or int(sibling.name) <= int(step_dir.name)
+        or _integrity.is_link(sibling) or not (item / MANIFEST_FILE).exists()):
+      continue
+    try:
+      links = walk_chain(item)
+    except CheckpointError:
+      continue
+    parents = [path.parent.name for path, _ in links]
+    if step_dir.name in parents:
+      after = links[parents.index(step_dir.name) + 1:]
+      out.append([DeltaItem(path, manifest) for path, manifest in after])
+  return out
+
+
 def continues_chain(parent: epath.PathLike, state: Manifest, layout: EmbeddingLayout) -> bool:
   """Whether a delta of `state` (in `layout`) saved after item `parent` would read back.
 
@@ -281,10 +379,8 @@ class ChainReader(CheckpointReader):
     self.item = epath.Path(item)
     self.base_directory = links[0][0]
     self.deltas = [DeltaItem(path, manifest) for path, manifest in links[1:]]
-    self._base_states = table_states(self.manifest, self.layout)
-    self._optimizer_names = {table: name for table, (_, name) in self._base_states.items()}
-    for delta in self.deltas:
-      self._check_delta(delta)
+    self._optimizer_names = check_deltas_keep_base(
+        self.base_directory, table_states(self.manifest, self.layout), self.deltas)
     self._sources: list[tuple[DeltaItem, int, str]] = []  # (delta, part, its stack)
     self._by_table = self._index()
     self._by_group: dict[str, _Overlay] = {}
@@ -294,34 +390,6 @@ class ChainReader(CheckpointReader):
     """As `CheckpointReader.optimizer_name`: the base's, else the one a delta records."""
     self._table(table)  # Raises MissingTableError naming the table.
     return self._optimizer_names.get(table)
-
-  def _check_delta(self, delta: DeltaItem) -> None:
-    """Raises unless the delta keeps its tables as the base has them (`table_states`)."""
-    for table, (found, optimizer) in table_states(delta.manifest.state, delta.layout).items():
-      if table not in self._base_states:
-        raise IncompatibleCheckpointError(
-            f"delta {delta.directory} updates table {table!r}, which its base"
-            f" {self.base_directory} does not hold (it holds {sorted(self.table_names)})."
-        )
-      wanted = self._base_states[table][0]
-      for key in found:
-        if found[key] != wanted[key]:
-          raise IncompatibleCheckpointError(
-              f"delta {delta.directory} stores table {table!r} with {key}"
-              f" {found[key]} but its base {self.base_directory} has {wanted[key]}; a chain"
-              " keeps its tables. Save a full checkpoint after changing tables or optimizer."
-          )
-      known = self._optimizer_names.get(table)
-      if optimizer is not None and known not in (None, optimizer):
-        raise IncompatibleCheckpointError(
-            f"delta {delta.directory} stores table {table!r} with the slots of optimizer"
-            f" {optimizer!r}, but the steps before it in its chain (base"
-            f" {self.base_directory}) hold them for optimizer {known!r}; a chain keeps its"
-            " optimizer. Restore a step before this delta; after changing the optimizer,"
-            " save a full checkpoint."
-        )
-      if optimizer is not None:
-        self._optimizer_names[table] = optimizer
 
   def _index(self) -> dict[str, _Overlay]:
     """Table -> the overlay of its logical rows that the deltas hold."""

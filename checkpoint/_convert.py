@@ -70,7 +70,7 @@ from checkpoint import _direct, _integrity, _optimizers, _save, _storage
 from checkpoint._direct import ChunkCache
 from checkpoint._format import MANIFEST_FILE, Manifest, array_dir, numpy_dtype
 from checkpoint._assembly import assemble_stacked, build_block
-from checkpoint._chain import open_reader
+from checkpoint._chain import check_deltas_keep_base, dependent_deltas, item_states, open_reader
 from checkpoint._errors import IncompatibleCheckpointError, SlotMismatchError
 from checkpoint._reader import find_item
 from checkpoint._source import verify_source
@@ -215,12 +215,37 @@ def convert(
       )
     (tmp / _IN_PROGRESS_MARKER).unlink()
     if out != tmp:
+      _check_dependent_deltas(dst, out)
       _integrity.write_manifest(tmp)  # The converted step is complete.
   except BaseException:
     tmp.rmtree(missing_ok=True)
     raise
   _put_in_place(tmp, dst)
   return dst if item is None or item == src else dst / item.name
+
+
+def _check_dependent_deltas(dst: epath.Path, converted: epath.Path) -> None:
+  """Raises if the converted item, replacing step `dst`'s, breaks later deltas that read it.
+
+  A later step of `dst`'s root may be a delta whose chain reads `dst` (its
+  base or an earlier delta): its rows go on top of the item found there,
+  which must keep the tables as the chain has them (`_chain.table_states`:
+  shapes, slots, dtypes). Another layout, stacking or storage keeps them; a
+  table dtype of bfloat16 under float32 deltas does not, and every later
+  step of the chain would no longer restore.
+  """
+  if not dst.exists():
+    return
+  for deltas in dependent_deltas(dst, converted.name):
+    try:
+      check_deltas_keep_base(dst / converted.name, item_states(converted), deltas)
+    except IncompatibleCheckpointError as error:
+      steps = sorted(int(delta.directory.parent.name) for delta in deltas)
+      raise ValueError(
+          f"converting {dst} in place would break the delta steps {steps} of its root, which"
+          f" read it as part of their chain: {error} Convert into another directory instead"
+          " (or convert the newest step, which reads as its whole chain)."
+      ) from error
 
 
 def _fresh_temporary_directory(dst: epath.Path) -> epath.Path:

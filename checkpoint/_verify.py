@@ -20,7 +20,7 @@ import re
 from etils import epath
 
 from checkpoint import _integrity
-from checkpoint._chain import chain_problems, delta_manifest, walk_chain
+from checkpoint._chain import chain_problems, check_chain_states, delta_manifest
 from checkpoint._delta import IDS, DeltaItem, DeltaManifest
 from checkpoint._direct import chunk_file
 from checkpoint._errors import CheckpointError
@@ -82,10 +82,15 @@ def step_chain_problems(step_dir: epath.Path,
 
 
 def item_chain_problems(item: epath.Path, depth: _integrity.Depth | None) -> list[Problem]:
-  """The problems of one embedding item's delta chain (see `step_chain_problems`)."""
+  """The problems of one embedding item's delta chain (see `step_chain_problems`).
+
+  Besides its links, the chain's deltas must keep the base's tables (shapes,
+  slots, dtypes, optimizer; `_chain.check_chain_states`): a base converted in
+  place to bfloat16 under float32 deltas no longer restores.
+  """
   try:
+    check_chain_states(item)
     if depth is None:
-      walk_chain(item)
       return []
     return chain_problems(item, depth)
   except CheckpointError as error:

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import checkpoint as ck
+from checkpoint import cli
 from ckpt_testlib import AXIS, make_mesh, make_model, touch_rows
 from sc_framework.optimizers import SGD, RowWiseAdagrad
 from sc_framework.stacking import logical_to_global_rows
@@ -358,7 +359,6 @@ def test_tracker_records_the_rows_of_preprocessed_batches():
 
 
 def test_cli_inspects_converts_and_compacts_a_chain(tmp_path, capsys):
-  from checkpoint import cli  # pylint: disable=g-import-not-at-top
 
   model, layout, delta_root, full_root, states = _train_side_by_side(tmp_path, 2, steps=4)
   assert cli.main(["inspect", str(delta_root / "3")]) == 0
@@ -461,3 +461,49 @@ def test_a_tracker_of_another_layout_is_refused_before_anything_is_written(tmp_p
   restored = ck.EmbeddingCheckpointHandler().restore(tmp_path / "1" / "embedding",
                                                      ck.TableRestore())
   assert_same_bits(restored.tables["a"], model.logical["a"])
+
+
+def test_a_chains_base_converted_in_place_must_keep_its_deltas_readable(tmp_path, capsys):
+  """Converting step 0 in place to bfloat16 under float32 deltas would leave
+  steps 1 and 2 unrestorable: refused, step 0 untouched. Another layout keeps
+  the tables as the chain has them: converted. A base replaced behind the
+  converter's back is named by verify."""
+  model = make_model(SPECS, seed=14)
+  layout = model.layout([["a", "b"], ["c"]], 4, 1)
+  rng = np.random.default_rng(15)
+  tracker = ck.UpdatedRows(layout)
+  root = tmp_path / "run"
+  with ck.CheckpointManager(root, keep_latest=10,
+                            incremental=ck.IncrementalPolicy(max_delta_share=1.0)) as mngr:
+    for step in range(3):
+      if step:
+        touch_rows(model, layout, tracker, rng, 0.2)
+      _save(mngr, step, model, layout, tracker)
+  expected = {name: table.copy() for name, table in model.logical.items()}
+
+  def newest():
+    return ck.EmbeddingCheckpointHandler().restore(root / "2" / "embedding", ck.TableRestore())
+
+  manifest = (root / "0" / "integrity.json").read_text()
+  with pytest.raises(ValueError, match=r"converting .*/0 in place would break the delta steps"
+                     r" \[1, 2\].*dtype float32 but its base .* has bfloat16"):
+    ck.convert(root / "0", root / "0", layout, table_dtype="bfloat16", overwrite=True)
+  assert (root / "0" / "integrity.json").read_text() == manifest
+  assert cli.main(["convert", str(root / "0"), str(root / "0"), "--overwrite", "--quiet",
+                   "--table-dtype", "bfloat16", "--groups", "same"]) == 1
+  assert "would break the delta steps [1, 2]" in capsys.readouterr().err
+  for name, table in newest().tables.items():
+    assert_same_bits(table, expected[name], err_msg=name)
+
+  ck.convert(root / "0", root / "0", model.layout([["a"], ["b"], ["c"]], 2, 2), overwrite=True)
+  for name, table in newest().tables.items():
+    assert_same_bits(table, expected[name], err_msg=name)
+  assert cli.main(["verify", str(root)]) == 0
+
+  ck.convert(root / "0", tmp_path / "bf16", layout, table_dtype="bfloat16")
+  shutil.rmtree(root / "0")
+  shutil.move(tmp_path / "bf16", root / "0")
+  capsys.readouterr()
+  assert cli.main(["verify", str(root)]) == 1
+  out = capsys.readouterr().out
+  assert "its delta chain is broken" in out and "bfloat16" in out, out
