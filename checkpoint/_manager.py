@@ -28,6 +28,7 @@ step is always kept (keep_latest >= 1).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -78,7 +79,8 @@ class CheckpointManager:
     keep_latest: keep the latest N steps (>= 1, so the newest always stays).
     keep_best: also keep the best N steps by `best_metric` (0: none).
     best_metric: a metrics key, or a function metrics -> float.
-    best_mode: 'min' (lower is better) or 'max'.
+    best_mode: 'min' (lower is better) or 'max'. A NaN metric (a diverged
+      step) ranks worst, never best.
     save_interval_steps: `save` without force writes the steps divisible by K
       (and, on a multi-host preemption notice, the current step).
     async_save: write in the background (default) or block until written.
@@ -135,7 +137,8 @@ class CheckpointManager:
     _storage.check_local_path(self._directory)  # Before anything is written there.
     metric_fn = None
     if best_metric is not None:
-      metric_fn = best_metric if callable(best_metric) else _metric_getter(best_metric)
+      metric_fn = _nan_ranks_worst(
+          best_metric if callable(best_metric) else _metric_getter(best_metric), best_mode)
     preserve: list[Any] = [policies.LatestN(n=keep_latest)]
     if keep_best:
       preserve.append(
@@ -503,5 +506,22 @@ def _metric_getter(key: str) -> Callable[[Mapping[str, Any]], float]:
     if key not in metrics:
       raise KeyError(f"best_metric {key!r} is not in the checkpoint's metrics {sorted(metrics)}.")
     return float(metrics[key])
+
+  return get
+
+
+def _nan_ranks_worst(metric_fn: Callable[[Mapping[str, Any]], float],
+                     best_mode: str) -> Callable[[Mapping[str, Any]], float]:
+  """`metric_fn` with NaN mapped to the worst value of `best_mode` (+inf for 'min').
+
+  Orbax sorts the metrics to keep the best steps, and NaN compares false
+  with everything: a step whose loss diverged would land anywhere in that
+  order and could push out the best step.
+  """
+  worst = math.inf if best_mode == "min" else -math.inf
+
+  def get(metrics: Mapping[str, Any]) -> float:
+    value = float(metric_fn(metrics))
+    return worst if math.isnan(value) else value
 
   return get

@@ -129,6 +129,22 @@ def test_max_mode_and_function_metric(tmp_path):
     assert mngr.best_step() == 1
 
 
+@pytest.mark.parametrize("mode, values", [
+    ("min", [0.5, float("nan"), 0.7, 0.9, float("nan")]),
+    ("max", [0.9, float("nan"), 0.2, 0.1, float("nan")]),
+])
+def test_a_nan_metric_ranks_worst_and_never_pushes_out_the_best_step(tmp_path, mode, values):
+  """A diverged step's NaN loss compares false with everything: sorted as it
+  is, it deleted the best step 0 and best_step named a worse one."""
+  _, _, embedding = _state()
+  with ck.CheckpointManager(tmp_path, keep_latest=1, keep_best=1, best_metric="loss",
+                            best_mode=mode, async_save=False) as mngr:
+    for step, value in enumerate(values):
+      mngr.save(step, embedding, metrics={"loss": value})
+    assert mngr.all_steps() == [0, 4]
+    assert mngr.best_step() == 0
+
+
 def test_invalid_manager_arguments(tmp_path):
   with pytest.raises(ValueError, match="keep_latest must be an int >= 1"):
     ck.CheckpointManager(tmp_path, keep_latest=0)
