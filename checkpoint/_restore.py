@@ -148,6 +148,11 @@ def read_tables(
     rows: Mapping[str, tuple[int, int]] | None = None,
 ) -> TableArrays:
   """Per-table arrays of a checkpoint (see `TableRestore`)."""
+  if rows is not None and not isinstance(rows, Mapping):
+    raise TypeError(
+        f"rows must map table names to (start, stop) pairs, e.g. {{'users': (0, 1000)}}, got"
+        f" {rows!r}."
+    )
   rows = dict(rows or {})
   if isinstance(tables, str):
     tables = [tables]
@@ -171,9 +176,16 @@ def read_tables(
 
 def _check_range(name: str, row_range, vocab: int) -> tuple[int, int]:
   try:
-    start, stop = (int(x) for x in row_range)
-  except (TypeError, ValueError) as error:
-    raise ValueError(f"rows[{name!r}] must be a (start, stop) pair, got {row_range!r}.") from error
+    bounds = tuple(row_range)
+  except TypeError:
+    bounds = ()
+  if len(bounds) != 2 or any(isinstance(x, (bool, np.bool_))
+                             or not isinstance(x, (int, np.integer)) for x in bounds):
+    raise ValueError(
+        f"rows[{name!r}] must be a (start, stop) pair of ints, got {row_range!r}; a bound is"
+        " never rounded."
+    )
+  start, stop = (int(x) for x in bounds)
   if not 0 <= start <= stop <= vocab:
     raise ValueError(
         f"rows[{name!r}] = ({start}, {stop}) is not a range inside table {name!r}'s vocabulary"

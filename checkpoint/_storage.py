@@ -38,6 +38,10 @@ _DEFAULT_CHUNK_BYTES = 4 << 20
 _CONTEXT = None
 
 
+# The levels each codec accepts (TensorStore's zarr v3 zstd and blosc codecs).
+_LEVELS = {"zstd": (-131072, 22), "blosc": (0, 9)}
+
+
 @dataclasses.dataclass(frozen=True)
 class StorageOptions:
   """How the arrays of an embedding checkpoint are encoded.
@@ -55,7 +59,8 @@ class StorageOptions:
 
   Attributes:
     compression: 'none' (default), 'zstd' or 'blosc' (lz4 with byte shuffle).
-    compression_level: the codec's level; None for its default.
+    compression_level: the codec's level, None for its default: zstd
+      -131072..22 (default 1), blosc 0..9 (default 5); unused with 'none'.
     checksum: 'crc32c' (default) stores a CRC32C of every chunk and verifies
       it on every read, so silent corruption becomes an error; 'none' skips it
       (truncated and missing chunks are still detected, and a
@@ -92,6 +97,12 @@ class StorageOptions:
     level = self.compression_level
     if level is not None and (isinstance(level, bool) or not isinstance(level, int)):
       raise ValueError(f"StorageOptions: compression_level must be an int or None, got {level!r}.")
+    bounds = _LEVELS.get(self.compression)
+    if level is not None and bounds is not None and not bounds[0] <= level <= bounds[1]:
+      raise ValueError(
+          f"StorageOptions: compression_level {level} is outside {self.compression}'s levels"
+          f" {bounds[0]}..{bounds[1]}; pass one of them, or None for the codec's default."
+      )
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)

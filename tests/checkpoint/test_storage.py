@@ -110,6 +110,28 @@ def test_relayout_keeps_tables_and_features():
     parse_groups(" ; ")
 
 
+@pytest.mark.parametrize("compression, level", [
+    ("zstd", 23), ("zstd", 100), ("zstd", -131073), ("blosc", -3), ("blosc", 10),
+])
+def test_a_compression_level_outside_the_codecs_is_refused_naming_it(compression, level):
+  """Accepted before, it failed only in the background write, with TensorStore's
+  words and a temporary directory left behind."""
+  with pytest.raises(ValueError, match=rf"compression_level {level} is outside {compression}'s"):
+    ck.StorageOptions(compression=compression, compression_level=level)
+
+
+@pytest.mark.parametrize("compression, level", [
+    ("zstd", 22), ("zstd", -131072), ("zstd", 0), ("blosc", 0), ("blosc", 9),
+])
+def test_the_codecs_extreme_levels_write_and_read_back(tmp_path, compression, level):
+  """The bounds StorageOptions accepts are those TensorStore writes with."""
+  stored = np.random.default_rng(level % 7).standard_normal((8, 12)).astype(np.float32)
+  options = ck.StorageOptions(compression=compression, compression_level=level)
+  spec = _storage.create_spec(tmp_path / "array", stored.shape, stored.dtype, 4, options)
+  _storage.open_for_write(spec).result().write(stored).result()
+  assert_same_bits(_storage.open_for_read(tmp_path / "array").result().read().result(), stored)
+
+
 def _stored_array(path, rng, chunk_rows, chunks, width=12):
   stored = rng.standard_normal((chunk_rows * chunks, width)).astype(np.float32)
   spec = _storage.create_spec(path, stored.shape, stored.dtype, chunk_rows, ck.StorageOptions())
