@@ -240,6 +240,7 @@ class CheckpointManager:
       embedding = self._incremental.args_for(embedding, updated_rows, save_kind)
     args = self._composite(embedding, items, EmbeddingSave)
     if (force or self._manager.should_save(step)) and step not in self.all_steps():
+      self._refuse_a_step_saved_by_another_writer(step)
       if jax.process_index() == 0:
         _steps.set_aside(self._directory / str(step))
     try:
@@ -252,6 +253,23 @@ class CheckpointManager:
     if started and embedding is not None:
       self._incremental.saved(step, embedding, updated_rows)
     return started
+
+  def _refuse_a_step_saved_by_another_writer(self, step: int) -> None:
+    """Raises if a complete step `step` appeared on disk since this manager listed its steps.
+
+    Another manager (another job, or another Trainer on the same workdir)
+    saved it: it is a checkpoint, not an unfinished save to move aside.
+    """
+    step_dir = self._directory / str(step)
+    if not (step_dir / _integrity.INTEGRITY_FILE).exists() or _steps.manifest_problem(step_dir):
+      return
+    self._manager.reload()
+    raise FileExistsError(
+        f"checkpoint step {step} already exists in {self._directory}: another writer saved it"
+        f" after this manager listed the steps (now {self.all_steps()}). Two jobs or Trainers"
+        " that write one directory overwrite each other's checkpoints: give each its own"
+        " directory, or restore the newest step before training on."
+    )
 
   def restore(
       self,

@@ -141,6 +141,13 @@ class TrainerCheckpoints:
     return self._manager.directory
 
   def latest_step(self) -> int | None:
+    """The newest complete step on disk, also one another Trainer saved since this one started.
+
+    Waits for this Trainer's own save in progress first (raising its error
+    if it failed), so that rereading the directory cannot miss it.
+    """
+    self._manager.wait_until_finished()
+    self._manager.reload()
     return self._manager.latest_step()
 
   def read_meta(self, step: int) -> dict[str, Any]:

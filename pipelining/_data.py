@@ -62,6 +62,32 @@ def decode_position(state: Any) -> Any:
   return state
 
 
+class _ReadAhead:
+  """An iterator with its next batch already read: hands that one out first.
+
+  `get_state` gives the position before that batch until it is handed out,
+  so the position recorded with every batch stays exact.
+  """
+
+  def __init__(self, first: Any, iterator: Iterator[Any], state_before: Any):
+    self._first, self._pending = first, True
+    self._iterator, self._state_before = iterator, state_before
+    if callable(getattr(iterator, "get_state", None)):
+      self.get_state = self._get_state
+
+  def __iter__(self) -> "_ReadAhead":
+    return self
+
+  def __next__(self) -> Any:
+    if self._pending:
+      self._pending, first, self._first = False, self._first, None
+      return first
+    return next(self._iterator)
+
+  def _get_state(self) -> Any:
+    return self._state_before if self._pending else self._iterator.get_state()
+
+
 class DataStream:
   """Yields raw batches over `epochs` passes (None: one pass), resumable.
 
@@ -89,7 +115,31 @@ class DataStream:
     self._epochs = 1 if epochs is None else epochs
     self.batches_consumed = batches_consumed
     self.epoch = epoch
+    self.started_over = False
     self._iterator = self._open(batches_consumed, position)
+    if batches_consumed:
+      self._iterator = self._start_over_at_the_end(self._iterator)
+
+  def _start_over_at_the_end(self, iterator: Iterator[Any]) -> Iterator[Any]:
+    """A stream resumed at the end of its data (its last epoch) starts over.
+
+    A Trainer whose fit ran through its data starts that data over in its
+    next fit; a new Trainer resuming the checkpoint of that end does the same
+    (`started_over`), instead of finding nothing to train. One batch is read
+    ahead to tell, and handed out first; the position stays the one before
+    it. A one-shot iterator cannot start over: it stays at its end.
+    """
+    get_state = getattr(iterator, "get_state", None)
+    before = get_state() if callable(get_state) else None
+    try:
+      first = next(iterator)
+    except StopIteration:
+      if self.epoch + 1 < self._epochs or iter(self._data) is self._data:
+        return iterator  # `__next__` opens the next epoch, or the data has ended for good.
+      self.started_over = True
+      self.batches_consumed, self.epoch = 0, 0
+      return iter(self._data)
+    return _ReadAhead(first, iterator, before)
 
   def _open(self, batches_consumed: int, position: Any) -> Iterator[Any]:
     iterator = iter(self._data)

@@ -92,6 +92,11 @@ class FitData:
           batches_consumed=start.get("batches_consumed", 0),
           position=start.get("position"), epoch=start.get("epoch", 0),
       )
+      if stream.started_over:
+        _LOG.info(
+            "the resumed data position (%d batches) is at the end of train_data: it starts"
+            " over, as the next fit of a Trainer whose data ended does.",
+            start.get("batches_consumed", 0))
       remainder = ()
     prefetcher = Prefetcher(stream, self._stage, depth=self._prefetch_depth,
                             workers=self._prefetch_workers,

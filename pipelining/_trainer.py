@@ -418,8 +418,9 @@ class Trainer:
 
     With a workdir, fit first resumes from the latest checkpoint (state,
     in-flight lookup and data position; on any device count, shards per
-    device, stacking and process count), saves every `save_every` steps and
-    at the end. SIGTERM/SIGINT finish the current step, save, and return with
+    device, stacking and process count; also one another Trainer saved
+    there since this one started), saves every `save_every` steps and at the
+    end. SIGTERM/SIGINT finish the current step, save, and return with
     `history.interrupted = True`; the next fit continues bit for bit.
 
     Args:
@@ -432,7 +433,8 @@ class Trainer:
         batches the raising fit applied; after an error of the data itself
         (a bad batch), a re-iterable is iterated again from that batch.
         Other data starts from its beginning; after its end, the same data
-        does too.
+        does too, also in a new Trainer resuming the checkpoint taken at
+        that end (a one-shot iterator cannot start over: nothing is left).
       num_steps: the total number of updates to reach (counting resumed
         ones); None trains until the data (all epochs) ends.
       epochs: passes over train_data; None is one pass.

@@ -145,6 +145,25 @@ def test_a_nan_metric_ranks_worst_and_never_pushes_out_the_best_step(tmp_path, m
     assert mngr.best_step() == 0
 
 
+def test_a_step_another_manager_saved_is_never_moved_aside_as_incomplete(tmp_path):
+  """A manager lists the steps when it opens: a complete step saved since by
+  another writer was taken for an unfinished save and renamed."""
+  _, _, embedding = _state()
+  with ck.CheckpointManager(tmp_path, async_save=False) as first, \
+      ck.CheckpointManager(tmp_path, async_save=False) as second:
+    first.save(1, embedding)
+    second.save(2, embedding)
+    manifest = (tmp_path / "2" / "integrity.json").read_text()
+    with pytest.raises(FileExistsError, match=r"checkpoint step 2 already exists in .*another"
+                       r" writer saved it .*\(now \[1, 2\]\)"):
+      first.save(2, embedding)
+    assert sorted(os.listdir(tmp_path)) == ["1", "2"]
+    assert (tmp_path / "2" / "integrity.json").read_text() == manifest
+    assert first.all_steps() == [1, 2]
+    first.save(3, embedding)
+  assert sorted(os.listdir(tmp_path)) == ["1", "2", "3"]
+
+
 def test_invalid_manager_arguments(tmp_path):
   with pytest.raises(ValueError, match="keep_latest must be an int >= 1"):
     ck.CheckpointManager(tmp_path, keep_latest=0)

@@ -518,3 +518,39 @@ def test_a_raising_final_evaluation_keeps_the_final_checkpoint(tmp_path, pipelin
   reference = trainer(None)
   reference.fit(batches)
   assert_same_run(resumed, reference)
+
+
+@pytest.mark.parametrize("pipelining", [True, False])
+@pytest.mark.parametrize("num_steps", [None, 5])
+def test_a_new_trainer_after_the_end_of_the_data_starts_it_over_as_the_same_trainer_does(
+    tmp_path, pipelining, num_steps):
+  """fit(data) ran through the data (or stopped at its last batch): the same
+  Trainer's next fit starts the data over; a new Trainer resuming that final
+  checkpoint found nothing left, trained nothing and said nothing."""
+  batches = make_batches(5, seed=91)
+  same = make_trainer(None, pipelining)
+  same.fit(batches, num_steps=num_steps)
+  same.fit(batches, num_steps=7)
+  make_trainer(tmp_path, pipelining).fit(batches, num_steps=num_steps)
+  resumed = make_trainer(tmp_path, pipelining)
+  history = resumed.fit(batches, num_steps=7)
+  assert history.resumed_from == 5 and history.steps == [6, 7]
+  assert_same_run(resumed, same)
+
+
+def test_a_trainer_sees_the_newer_checkpoint_another_trainer_saved(tmp_path):
+  """Its manager's step list was the one it opened with: it retrained from its
+  own older state and moved the other's complete step aside as incomplete."""
+  batches = make_batches(8, seed=92)
+  first = make_trainer(tmp_path, False)
+  first.fit(batches, num_steps=3)
+  second = make_trainer(tmp_path, False)
+  assert second.fit(batches).final_step == 8
+  assert first.latest_checkpoint_step() == 8
+  history = first.fit(batches, num_steps=10)
+  assert history.resumed_from == 8 and history.steps == [9, 10]
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["10", "8", "9"]  # retention: 3 newest
+  reference = make_trainer(None, False)
+  reference.fit(batches)
+  reference.fit(batches, num_steps=10)
+  assert_same_run(first, reference)

@@ -1,0 +1,89 @@
+"""DataStream: resuming at a data position, reading ahead, starting over at the end."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipelining._data import DataStream
+
+
+class _Positioned:
+  """An iterator over `items` with get_state/set_state (as grain's are)."""
+
+  def __init__(self, items, at=0):
+    self.items, self.at = items, at
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    if self.at >= len(self.items):
+      raise StopIteration
+    self.at += 1
+    return self.items[self.at - 1]
+
+  def get_state(self):
+    return {"at": self.at}
+
+  def set_state(self, state):
+    self.at = state["at"]
+
+
+class _Dataset:
+  """A re-iterable whose iterators have positions."""
+
+  def __init__(self, items):
+    self.items = items
+
+  def __iter__(self):
+    return _Positioned(self.items)
+
+
+def _drain(stream):
+  out = []
+  for batch in stream:
+    out.append((batch, stream.get_state()))
+  return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(count=st.integers(1, 6), epochs=st.integers(1, 3), data=st.data(),
+       positioned=st.booleans())
+def test_a_resumed_stream_continues_the_uninterrupted_one_or_starts_over_at_its_end(
+    count, epochs, data, positioned):
+  items = [f"batch {i}" for i in range(count)]
+  source = _Dataset(items) if positioned else items
+  uninterrupted = _drain(DataStream(source, epochs=epochs))
+  assert [batch for batch, _ in uninterrupted] == items * epochs
+  consumed = data.draw(st.integers(1, count * epochs), label="consumed")
+  _, state = uninterrupted[consumed - 1]
+  resumed = DataStream(source, epochs=epochs, batches_consumed=state["batches_consumed"],
+                       position=state["position"], epoch=state["epoch"])
+  if consumed == count * epochs:  # at the end: the whole data again, counted from 0
+    assert resumed.started_over
+    assert _drain(resumed) == uninterrupted
+  else:  # the rest, with the positions the uninterrupted stream recorded
+    assert not resumed.started_over
+    assert _drain(resumed) == uninterrupted[consumed:]
+
+
+def test_a_one_shot_iterator_resumed_at_its_end_stays_there():
+  items = ["a", "b", "c"]
+  iterator = _Positioned(items, at=3)
+  stream = DataStream(iterator, batches_consumed=3, position={"at": 3})
+  assert not stream.started_over and _drain(stream) == []
+
+
+def test_the_batch_read_ahead_keeps_the_position_before_it():
+  items = ["a", "b", "c", "d"]
+  stream = DataStream(_Dataset(items), batches_consumed=2, position={"at": 2})
+  assert stream.get_state() == {"batches_consumed": 2, "epoch": 0, "position": {"at": 2}}
+  assert next(stream) == "c"
+  assert stream.get_state() == {"batches_consumed": 3, "epoch": 0, "position": {"at": 3}}
+
+
+def test_a_plain_list_resumed_past_its_length_is_refused():
+  with pytest.raises(ValueError, match="cannot resume the data at batch 5: it holds only 3"):
+    DataStream(["a", "b", "c"], batches_consumed=5)
