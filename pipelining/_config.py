@@ -7,6 +7,7 @@ import os
 from typing import Any, Literal
 
 import jax.numpy as jnp
+import numpy as np
 from etils import epath
 
 from checkpoint import IncrementalPolicy
@@ -143,6 +144,17 @@ class TrainerConfig:
     if self.progress not in ("auto", "bar", "log", "off"):
       raise ValueError(
           f"TrainerConfig.progress must be 'auto', 'bar', 'log' or 'off', got {self.progress!r}."
+      )
+    if isinstance(self.seed, (bool, np.bool_)) or not isinstance(self.seed, (int, np.integer)):
+      raise TypeError(
+          f"TrainerConfig.seed must be an int (it seeds the tables' and the dense parameters'"
+          f" initialisation), got {self.seed!r}."
+      )
+    if isinstance(self.eval_metrics, str) or not all(
+        isinstance(m, str) for m in self.eval_metrics):
+      raise TypeError(
+          "TrainerConfig.eval_metrics must be a sequence of metric names, e.g. ('auc',) or (),"
+          f" got {self.eval_metrics!r}."
       )
     unknown = [m for m in self.eval_metrics if m not in ("auc",)]
     if unknown:

@@ -7,7 +7,7 @@ import logging
 import os
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
 from typing import Any
 
 import jax
@@ -152,6 +152,12 @@ class Trainer:
     check_same_setup(self.plan, self.config, self.backend.name)
     self._model = model
     self._loss_fn = loss_fn
+    if not (callable(getattr(dense_optimizer, "init", None))
+            and callable(getattr(dense_optimizer, "update", None))):
+      raise TypeError(
+          "dense_optimizer must be an optax.GradientTransformation (with init and update),"
+          f" e.g. optax.adam(1e-3); got {dense_optimizer!r}."
+      )
     self._dense_optimizer = dense_optimizer
     # The fit loop's state (train state, in-flight batch, data position);
     # fit assigns it after every step.
@@ -463,6 +469,7 @@ class Trainer:
       TypeError: a batch that is not a dict.
     """
     num_steps, epochs, eval_every = _fit_arguments(num_steps, epochs, eval_data, eval_every)
+    callbacks = _checked_callbacks(callbacks)
     history = History()
     dropped_before = self._dropped_ids
     self._stop.clear()
@@ -737,8 +744,9 @@ class Trainer:
         step, state.train, self._saved_in_flight(state), share_position(dict(state.data)),
         pipelining=self.config.pipelining,
     )
-    for callback in callbacks:
-      callback.on_save(self, step)
+    if saved:  # Not again for a step saved already (the final save after a save_every one).
+      for callback in callbacks:
+        callback.on_save(self, step)
     return saved
 
   def _saved_in_flight(self, state: LoopState) -> SavedInFlight | FeatureInFlight | None:
@@ -806,7 +814,25 @@ def _fit_arguments(num_steps: int | None, epochs: int | None, eval_data: Iterabl
         f" re-iterable (a list, or a dataset whose __iter__ starts over); got a one-shot"
         f" {type(eval_data).__name__}. Pass list(eval_data) or the dataset itself."
     )
+  if isinstance(eval_data, Sized) and len(eval_data) == 0:
+    raise ValueError(
+        "eval_data is empty: fit would fail at its first evaluation, after training. Pass"
+        " batches to evaluate, or eval_data=None."
+    )
   return num_steps, epochs, eval_every
+
+
+def _checked_callbacks(callbacks: Sequence[Callback]) -> tuple[Callback, ...]:
+  """fit's callbacks, each a `Callback` (whose hooks fit calls)."""
+  if isinstance(callbacks, Callback):
+    callbacks = (callbacks,)
+  others = [c for c in callbacks if not isinstance(c, Callback)]
+  if others:
+    raise TypeError(
+        f"callbacks must be pipelining.Callback objects (subclass Callback and override the"
+        f" hooks you need, e.g. on_step_end), got {others!r}."
+    )
+  return tuple(callbacks)
 
 
 def _warn_data_ended_elsewhere() -> None:

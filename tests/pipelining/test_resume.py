@@ -554,3 +554,24 @@ def test_a_trainer_sees_the_newer_checkpoint_another_trainer_saved(tmp_path):
   reference.fit(batches)
   reference.fit(batches, num_steps=10)
   assert_same_run(first, reference)
+
+
+class _Saves(Callback):
+  def __init__(self):
+    self.steps = []
+
+  def on_save(self, trainer, step):
+    self.steps.append(step)
+
+
+@pytest.mark.parametrize("pipelining", [True, False])
+def test_on_save_runs_once_per_checkpoint(tmp_path, pipelining):
+  """The final save of step 4 after save_every's save of step 4 starts nothing:
+  on_save ran for it a second time."""
+  saves = _Saves()
+  trainer = Trainer(LinearHead(), make_specs(Adagrad(0.3)), mse, optax.adam(0.05),
+                    mesh=mesh_of(1), pipelining=pipelining, progress="off", padding_id=-1,
+                    workdir=tmp_path, save_every=2)
+  trainer.fit(make_batches(4, seed=93), callbacks=[saves])
+  assert saves.steps == [2, 4]
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4"]

@@ -16,7 +16,7 @@ import optax
 import pytest
 from flax import linen as nn
 
-from pipelining import Trainer
+from pipelining import Callback, Trainer
 from sc_framework import FeatureSpec, TableSpec
 from sc_framework.optimizers import SGD, Adagrad
 from sc_framework.preprocessing import PartitionOverflowError, preprocess
@@ -281,6 +281,37 @@ def test_config_errors_name_the_option():
   for name in ("pipelining", "allow_id_dropping", "save_on_nonfinite"):
     with pytest.raises(TypeError, match=rf"TrainerConfig.{name} must be True or False, got 'no'"):
       TrainerConfig(**{name: "no"})
+  # A float or string seed failed only inside the first fit, in JAX's words.
+  for seed in (1.5, "0", True, None):
+    with pytest.raises(TypeError, match=rf"TrainerConfig.seed must be an int .*got {seed!r}"):
+      TrainerConfig(seed=seed)
+  assert TrainerConfig(seed=np.int64(7)).seed == 7
+  with pytest.raises(TypeError, match=r"eval_metrics must be a sequence of metric names.*'auc'"):
+    TrainerConfig(eval_metrics="auc")  # was: unknown metrics ['a', 'u', 'c']
+  with pytest.raises(TypeError, match=r"dense_optimizer must be an optax.GradientTransformation"
+                                      r" .*got 'adam'"):
+    Trainer(LinearHead(), make_specs(SGD(SPARSE_LR)), mse, "adam", mesh=mesh_of(1))
+
+
+def test_fit_refuses_callbacks_that_are_not_callbacks_and_empty_eval_data_before_training():
+  trainer = Trainer(LinearHead(), make_specs(SGD(SPARSE_LR)), mse, optax.sgd(DENSE_LR),
+                    mesh=mesh_of(1), progress="off", padding_id=-1, eval_metrics=())
+  batches = make_batches(2, seed=47)
+  with pytest.raises(TypeError, match=r"callbacks must be pipelining.Callback objects"):
+    trainer.fit(batches, callbacks=[lambda *args: None])
+  with pytest.raises(ValueError, match=r"eval_data is empty: fit would fail at its first"
+                                       r" evaluation, after training"):
+    trainer.fit(batches, eval_data=[])
+  assert trainer.state is None  # refused before any step
+
+  class Count(Callback):
+    steps = 0
+
+    def on_step_end(self, trainer, step, metrics):
+      Count.steps += 1
+
+  trainer.fit(batches, callbacks=Count())  # one Callback alone is taken as the sequence of it
+  assert Count.steps == 2
 
 
 @pytest.mark.parametrize("arguments, message", [
