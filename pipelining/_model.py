@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import flax.errors
 import jax
 from flax import linen as nn
 from flax import nnx
@@ -33,6 +34,27 @@ class DenseModel:
   apply: Callable[[Any, dict[str, jax.Array], Any], jax.Array]
   params: Any
   kind: str
+
+
+def _check_nnx_keeps_its_state(apply_nnx, params, rest, activations, dense) -> None:
+  """Raises if calling the NNX model changes state besides its nnx.Param variables.
+
+  The Trainer differentiates and jits the model as a function of its
+  parameters: BatchNorm's batch statistics or Dropout's random stream,
+  changed inside that trace, fail deep in Flax (TraceContextError). One
+  abstract call tells, before any training.
+  """
+  try:
+    jax.eval_shape(apply_nnx, params, activations, dense)
+  except flax.errors.TraceContextError as error:
+    state = [f"{'/'.join(map(str, path))} ({type(value).__name__})"
+             for path, value in nnx.to_flat_state(rest)]
+    raise ValueError(
+        "the NNX model changes state besides its nnx.Param variables when called (its other"
+        f" state: {state}); the Trainer trains stateless dense models, applied without"
+        " mutable state or random streams. Use LayerNorm instead of BatchNorm, and leave out"
+        " Dropout (or construct it with deterministic=True)."
+    ) from error
 
 
 def as_dense_model(model, key: jax.Array, activations: dict[str, jax.Array], dense: Any) -> DenseModel:
@@ -79,6 +101,7 @@ def as_dense_model(model, key: jax.Array, activations: dict[str, jax.Array], den
     def apply_nnx(params, acts, dense_features):
       return nnx.merge(graphdef, params, rest)(acts, dense_features)
 
+    _check_nnx_keeps_its_state(apply_nnx, params, rest, activations, dense)
     return DenseModel(apply_nnx, params, "nnx")
   raise TypeError(
       f"model must be a flax.linen.Module or a flax.nnx.Module, got {type(model).__name__}."

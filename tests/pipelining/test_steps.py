@@ -252,3 +252,34 @@ def test_trainer_refuses_a_model_that_holds_the_embedding_layers():
   trainer = Trainer(held, specs, mse, optax.sgd(0.1), mesh=mesh, progress="off", padding_id=-1)
   with pytest.raises(ValueError, match=r"NnxSparseEmbed at \['embed'\].*make_nnx_train_step"):
     trainer.initialize(batches[0])
+
+
+class _NnxWith(nnx.Module):
+  """NnxHead with one more layer after its hidden one (BatchNorm, Dropout, ...)."""
+
+  def __init__(self, layer, *, rngs: nnx.Rngs):
+    self.head, self.layer = NnxHead(15, rngs=rngs), layer
+
+  def __call__(self, activations, dense):
+    x = jnp.concatenate([activations["fa"], activations["fb"], activations["fa2"], dense], axis=1)
+    return self.head.out(self.layer(jnp.tanh(self.head.hidden(x))))[:, 0]
+
+
+@pytest.mark.parametrize("layer, state", [
+    (lambda rngs: nnx.BatchNorm(6, rngs=rngs), r"layer/mean \(BatchStat\)"),
+    (lambda rngs: nnx.Dropout(0.5, rngs=rngs), r"layer/rngs/count \(RngCount\)"),
+])
+def test_an_nnx_model_that_changes_its_state_is_refused_naming_it(layer, state):
+  """It failed deep inside Flax (TraceContextError) at the first step; Linen's
+  BatchNorm already got a clear error. State the call leaves alone is fine."""
+  specs, batches = tuple(make_specs(SGD(0.1))), make_batches(2, seed=64)
+  model = _NnxWith(layer(nnx.Rngs(0)), rngs=nnx.Rngs(1))
+  trainer = Trainer(model, specs, mse, optax.sgd(0.1), mesh=mesh_of(1), progress="off",
+                    padding_id=-1)
+  with pytest.raises(ValueError, match=rf"the NNX model changes state besides its nnx.Param"
+                     rf" variables when called .*{state}.*LayerNorm"):
+    trainer.initialize(batches[0])
+  still = _NnxWith(nnx.Dropout(0.5, deterministic=True, rngs=nnx.Rngs(0)), rngs=nnx.Rngs(1))
+  trainer = Trainer(still, specs, mse, optax.sgd(0.1), mesh=mesh_of(1), progress="off",
+                    padding_id=-1)
+  assert trainer.fit(batches).final_step == 2
