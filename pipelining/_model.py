@@ -9,6 +9,7 @@ inside the step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +37,25 @@ class DenseModel:
   kind: str
 
 
+@contextlib.contextmanager
+def _naming_a_missing_dense(dense: Any):
+  """Adds to an error of the model's first call that the batches hold no "dense" entry.
+
+  The model is then called with dense=None, and a model that reads it fails
+  somewhere inside (e.g. concatenating None).
+  """
+  try:
+    yield
+  except (TypeError, AttributeError, ValueError) as error:
+    if dense is not None or isinstance(error, flax.errors.TraceContextError):
+      raise
+    raise TypeError(
+        f"the model failed when called with dense=None ({type(error).__name__}: {error}): the"
+        ' batches have no "dense" entry. Give every batch its dense features under "dense",'
+        " or write the model to ignore its dense argument."
+    ) from error
+
+
 def _check_nnx_keeps_its_state(apply_nnx, params, rest, activations, dense) -> None:
   """Raises if calling the NNX model changes state besides its nnx.Param variables.
 
@@ -45,7 +65,8 @@ def _check_nnx_keeps_its_state(apply_nnx, params, rest, activations, dense) -> N
   abstract call tells, before any training.
   """
   try:
-    jax.eval_shape(apply_nnx, params, activations, dense)
+    with _naming_a_missing_dense(dense):
+      jax.eval_shape(apply_nnx, params, activations, dense)
   except flax.errors.TraceContextError as error:
     state = [f"{'/'.join(map(str, path))} ({type(value).__name__})"
              for path, value in nnx.to_flat_state(rest)]
@@ -73,7 +94,8 @@ def as_dense_model(model, key: jax.Array, activations: dict[str, jax.Array], den
       with a `LinenSparseEmbed` fails in that layer with a TypeError).
   """
   if isinstance(model, nn.Module):
-    variables = model.init(key, activations, dense)
+    with _naming_a_missing_dense(dense):
+      variables = model.init(key, activations, dense)
     extra = {k: v for k, v in variables.items() if k != "params"}
     if extra:
       raise ValueError(

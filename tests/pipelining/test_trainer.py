@@ -438,3 +438,22 @@ def test_an_id_out_of_range_names_the_feature_and_the_batch(pipelining):
   with pytest.raises(ValueError, match=r"'fb'.*24") as raised:
     trainer.predict([batches[0], batches[2]])
   assert "(in batch 1 of the prediction data)" in getattr(raised.value, "__notes__", [])
+
+
+def test_batches_without_dense_features_name_the_missing_entry_when_the_model_reads_it():
+  """The model got dense=None and failed inside (concatenating None)."""
+  batches = [{k: v for k, v in b.items() if k != "dense"} for b in make_batches(2, seed=48)]
+  trainer = Trainer(LinearHead(), make_specs(SGD(SPARSE_LR)), mse, optax.sgd(DENSE_LR),
+                    mesh=mesh_of(1), progress="off", padding_id=-1)
+  with pytest.raises(TypeError, match=r'called with dense=None .*the batches have no "dense"'
+                                      r" entry"):
+    trainer.fit(batches)
+
+  class SparseOnly(nn.Module):
+    @nn.compact
+    def __call__(self, activations, dense):
+      return nn.Dense(1)(jnp.concatenate([activations["fa"], activations["fb"]], axis=1))[:, 0]
+
+  sparse_only = Trainer(SparseOnly(), make_specs(SGD(SPARSE_LR)), mse, optax.sgd(DENSE_LR),
+                        mesh=mesh_of(1), progress="off", padding_id=-1)
+  assert sparse_only.fit(batches).final_step == 2
