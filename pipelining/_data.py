@@ -34,7 +34,7 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import jax
 
@@ -99,6 +99,11 @@ class DataStream:
     position: the iterator state recorded with the last consumed batch, or
       None.
     epoch: the epoch of the last consumed batch (resume).
+    at_end: what a stream resumed at the end of its data (its last epoch)
+      does: "stop" (it yields nothing: the run it continues is complete) or
+      "start_over" (from the first batch, as the next fit of a Trainer whose
+      data ended does; fit asks for it when num_steps asks for more steps).
+      `resumed_at_end` tells that it was so.
   """
 
   def __init__(
@@ -109,34 +114,37 @@ class DataStream:
       batches_consumed: int = 0,
       position: Any = None,
       epoch: int = 0,
+      at_end: Literal["stop", "start_over"] = "stop",
   ):
     check_count("epochs", epochs, minimum=1, optional=True)
+    if at_end not in ("stop", "start_over"):
+      raise ValueError(f"at_end must be 'stop' or 'start_over', got {at_end!r}.")
     self._data = data
     self._epochs = 1 if epochs is None else epochs
     self.batches_consumed = batches_consumed
     self.epoch = epoch
-    self.started_over = False
+    self.resumed_at_end = False
     self._iterator = self._open(batches_consumed, position)
     if batches_consumed:
-      self._iterator = self._start_over_at_the_end(self._iterator)
+      self._iterator = self._at_the_end(self._iterator, at_end)
 
-  def _start_over_at_the_end(self, iterator: Iterator[Any]) -> Iterator[Any]:
-    """A stream resumed at the end of its data (its last epoch) starts over.
+  def _at_the_end(self, iterator: Iterator[Any], at_end: str) -> Iterator[Any]:
+    """A resumed stream: whether it is at the end of its data, and then `at_end`.
 
-    A Trainer whose fit ran through its data starts that data over in its
-    next fit; a new Trainer resuming the checkpoint of that end does the same
-    (`started_over`), instead of finding nothing to train. One batch is read
-    ahead to tell, and handed out first; the position stays the one before
-    it. A one-shot iterator cannot start over: it stays at its end.
+    One batch is read ahead to tell, and handed out first; the position
+    stays the one before it. A one-shot iterator cannot start over: it stays
+    at its end.
     """
     get_state = getattr(iterator, "get_state", None)
     before = get_state() if callable(get_state) else None
     try:
       first = next(iterator)
     except StopIteration:
-      if self.epoch + 1 < self._epochs or iter(self._data) is self._data:
-        return iterator  # `__next__` opens the next epoch, or the data has ended for good.
-      self.started_over = True
+      if self.epoch + 1 < self._epochs:
+        return iterator  # `__next__` opens the next epoch.
+      self.resumed_at_end = True
+      if at_end == "stop" or iter(self._data) is self._data:
+        return iterator
       self.batches_consumed, self.epoch = 0, 0
       return iter(self._data)
     return _ReadAhead(first, iterator, before)

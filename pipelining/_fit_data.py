@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 
@@ -66,7 +66,8 @@ class FitData:
     self._at_loop_position = False
 
   def open(self, train_data: Iterable[Any], epochs: int | None, *, can_continue: bool,
-           position: Callable[[bool], dict[str, Any]]) -> tuple[Prefetcher, bool]:
+           position: Callable[[bool], dict[str, Any]],
+           at_end: Literal["stop", "start_over"]) -> tuple[Prefetcher, bool]:
     """The prefetched stream of fit's staged batches.
 
     Args:
@@ -75,6 +76,7 @@ class FitData:
         (no newer checkpoint to resume); if not, nothing is continued.
       position: (after an interruption) -> the data position to start at
         ({} is the beginning; keys as `DataStream`'s arguments).
+      at_end: `DataStream`'s, for a position at the end of the data.
 
     Returns:
       The prefetcher, and whether it continues the last fit's stream.
@@ -90,13 +92,16 @@ class FitData:
       stream = DataStream(
           train_data, epochs=epochs,
           batches_consumed=start.get("batches_consumed", 0),
-          position=start.get("position"), epoch=start.get("epoch", 0),
+          position=start.get("position"), epoch=start.get("epoch", 0), at_end=at_end,
       )
-      if stream.started_over:
+      if stream.resumed_at_end:
         _LOG.info(
-            "the resumed data position (%d batches) is at the end of train_data: it starts"
-            " over, as the next fit of a Trainer whose data ended does.",
-            start.get("batches_consumed", 0))
+            "the resumed data position (%d batches) is at the end of train_data: %s",
+            start.get("batches_consumed", 0),
+            "the data starts over, as the next fit of a Trainer whose data ended does."
+            if at_end == "start_over" else
+            "the run it continues is complete and nothing is left to train (pass a num_steps"
+            " beyond the resumed step to train on: the data then starts over).")
       remainder = ()
     prefetcher = Prefetcher(stream, self._stage, depth=self._prefetch_depth,
                             workers=self._prefetch_workers,

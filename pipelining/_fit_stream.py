@@ -16,7 +16,7 @@ records what the end of the fit needs to know:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import jax
 
@@ -30,7 +30,7 @@ class FitStream:
   Args:
     fit_data: the Trainer's data across fits; it opens the stream.
     train_data, epochs: fit's.
-    can_continue, position: as `FitData.open`.
+    can_continue, position, at_end: as `FitData.open`.
     take: (prefetcher) -> the next batch, or None when the data of any
       process ended.
     ends: (prefetcher) -> whether the data of any process ends here; the
@@ -41,13 +41,14 @@ class FitStream:
 
   def __init__(self, fit_data: FitData, train_data: Iterable[Any], epochs: int | None, *,
                can_continue: bool, position: Callable[[bool], dict[str, Any]],
+               at_end: Literal["stop", "start_over"],
                take: Callable[[Prefetcher], Prepared | None],
                ends: Callable[[Prefetcher], bool],
                loop_data: Callable[[], Mapping[str, Any] | None]):
     self._fit_data, self._train_data, self._epochs = fit_data, train_data, epochs
     self._take, self._ends, self._loop_data = take, ends, loop_data
     self._prefetcher, self.continued = fit_data.open(
-        train_data, epochs, can_continue=can_continue, position=position)
+        train_data, epochs, can_continue=can_continue, position=position, at_end=at_end)
     self._data_ended = False
     self._last_taken: Prepared | None = None
     self._position_before: Mapping[str, Any] | None = None

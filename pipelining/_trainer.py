@@ -439,8 +439,11 @@ class Trainer:
         batches the raising fit applied; after an error of the data itself
         (a bad batch), a re-iterable is iterated again from that batch.
         Other data starts from its beginning; after its end, the same data
-        does too, also in a new Trainer resuming the checkpoint taken at
-        that end (a one-shot iterator cannot start over: nothing is left).
+        does too. A new Trainer resuming the checkpoint taken at that end
+        starts it over when num_steps asks for more steps; with num_steps
+        None the run it resumes is complete and it trains nothing (it logs
+        so), as a restarted job that had finished should. A one-shot
+        iterator cannot start over.
       num_steps: the total number of updates to reach (counting resumed
         ones); None trains until the data (all epochs) ends.
       epochs: passes over train_data; None is one pass.
@@ -478,6 +481,9 @@ class Trainer:
         self._fit_data, train_data, epochs,
         can_continue=self._loop is not None and self._resume_step() is None,
         position=self._data_position, take=self._next, ends=self._data_ended,
+        # A finished run restarted (num_steps None) stays finished; more steps asked
+        # for start the data over, as this Trainer's next fit after the data's end does.
+        at_end="stop" if num_steps is None else "start_over",
         loop_data=lambda: None if self._loop is None else self._loop.data)
     previous_handlers = install_stop_handlers(self._stop_requested)
     progress = None

@@ -50,9 +50,9 @@ def _drain(stream):
 
 @settings(max_examples=60, deadline=None)
 @given(count=st.integers(1, 6), epochs=st.integers(1, 3), data=st.data(),
-       positioned=st.booleans())
-def test_a_resumed_stream_continues_the_uninterrupted_one_or_starts_over_at_its_end(
-    count, epochs, data, positioned):
+       positioned=st.booleans(), at_end=st.sampled_from(["stop", "start_over"]))
+def test_a_resumed_stream_continues_the_uninterrupted_one_and_at_its_end_does_as_asked(
+    count, epochs, data, positioned, at_end):
   items = [f"batch {i}" for i in range(count)]
   source = _Dataset(items) if positioned else items
   uninterrupted = _drain(DataStream(source, epochs=epochs))
@@ -60,20 +60,21 @@ def test_a_resumed_stream_continues_the_uninterrupted_one_or_starts_over_at_its_
   consumed = data.draw(st.integers(1, count * epochs), label="consumed")
   _, state = uninterrupted[consumed - 1]
   resumed = DataStream(source, epochs=epochs, batches_consumed=state["batches_consumed"],
-                       position=state["position"], epoch=state["epoch"])
-  if consumed == count * epochs:  # at the end: the whole data again, counted from 0
-    assert resumed.started_over
-    assert _drain(resumed) == uninterrupted
-  else:  # the rest, with the positions the uninterrupted stream recorded
-    assert not resumed.started_over
+                       position=state["position"], epoch=state["epoch"], at_end=at_end)
+  if consumed < count * epochs:  # the rest, with the positions the uninterrupted one recorded
+    assert not resumed.resumed_at_end
     assert _drain(resumed) == uninterrupted[consumed:]
+  elif at_end == "stop":  # a complete run: nothing more
+    assert resumed.resumed_at_end and _drain(resumed) == []
+  else:  # the whole data again, counted from 0
+    assert resumed.resumed_at_end and _drain(resumed) == uninterrupted
 
 
 def test_a_one_shot_iterator_resumed_at_its_end_stays_there():
   items = ["a", "b", "c"]
   iterator = _Positioned(items, at=3)
-  stream = DataStream(iterator, batches_consumed=3, position={"at": 3})
-  assert not stream.started_over and _drain(stream) == []
+  stream = DataStream(iterator, batches_consumed=3, position={"at": 3}, at_end="start_over")
+  assert stream.resumed_at_end and _drain(stream) == []
 
 
 def test_the_batch_read_ahead_keeps_the_position_before_it():

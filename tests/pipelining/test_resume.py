@@ -522,16 +522,25 @@ def test_a_raising_final_evaluation_keeps_the_final_checkpoint(tmp_path, pipelin
 
 @pytest.mark.parametrize("pipelining", [True, False])
 @pytest.mark.parametrize("num_steps", [None, 5])
-def test_a_new_trainer_after_the_end_of_the_data_starts_it_over_as_the_same_trainer_does(
-    tmp_path, pipelining, num_steps):
+def test_a_new_trainer_asked_for_more_steps_after_the_end_of_the_data_starts_it_over(
+    tmp_path, pipelining, num_steps, caplog):
   """fit(data) ran through the data (or stopped at its last batch): the same
   Trainer's next fit starts the data over; a new Trainer resuming that final
-  checkpoint found nothing left, trained nothing and said nothing."""
+  checkpoint with num_steps=7 found nothing left, trained nothing and said
+  nothing. Restarted as it was (num_steps None), the run is complete: it
+  trains nothing, and says so."""
   batches = make_batches(5, seed=91)
   same = make_trainer(None, pipelining)
   same.fit(batches, num_steps=num_steps)
   same.fit(batches, num_steps=7)
   make_trainer(tmp_path, pipelining).fit(batches, num_steps=num_steps)
+  saved = sorted(os.listdir(tmp_path / "checkpoints"))
+  restarted = make_trainer(tmp_path, pipelining)
+  with caplog.at_level("INFO", logger="pipelining"):
+    history = restarted.fit(batches)
+  assert history.steps == [] and int(restarted.state.step) == 5
+  assert "the run it continues is complete and nothing is left to train" in caplog.text
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == saved
   resumed = make_trainer(tmp_path, pipelining)
   history = resumed.fit(batches, num_steps=7)
   assert history.resumed_from == 5 and history.steps == [6, 7]
