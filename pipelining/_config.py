@@ -7,7 +7,6 @@ import os
 from typing import Any, Literal
 
 import jax.numpy as jnp
-import numpy as np
 from etils import epath
 
 from checkpoint import IncrementalPolicy
@@ -145,17 +144,12 @@ class TrainerConfig:
       raise ValueError(
           f"TrainerConfig.progress must be 'auto', 'bar', 'log' or 'off', got {self.progress!r}."
       )
-    if isinstance(self.seed, (bool, np.bool_)) or not isinstance(self.seed, (int, np.integer)):
+    if isinstance(self.seed, bool) or not isinstance(self.seed, int):  # numpy ints: made ints above
       raise TypeError(
           f"TrainerConfig.seed must be an int (it seeds the tables' and the dense parameters'"
           f" initialisation), got {self.seed!r}."
       )
-    if isinstance(self.eval_metrics, str) or not all(
-        isinstance(m, str) for m in self.eval_metrics):
-      raise TypeError(
-          "TrainerConfig.eval_metrics must be a sequence of metric names, e.g. ('auc',) or (),"
-          f" got {self.eval_metrics!r}."
-      )
+    object.__setattr__(self, "eval_metrics", _metric_names(self.eval_metrics))
     unknown = [m for m in self.eval_metrics if m not in ("auc",)]
     if unknown:
       raise ValueError(f"TrainerConfig.eval_metrics: unknown metrics {unknown}; known: ['auc'].")
@@ -177,6 +171,20 @@ def check_count(name: str, value: Any, *, minimum: int, optional: bool = False) 
   if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
     none = "None or " if optional else ""
     raise ValueError(f"{name} must be {none}an int >= {minimum}, got {value!r}.")
+
+
+def _metric_names(value: Any) -> tuple[str, ...]:
+  """TrainerConfig.eval_metrics as a tuple of names (a config stays hashable)."""
+  try:
+    names = () if isinstance(value, str) else tuple(value)
+  except TypeError:
+    names = None
+  if isinstance(value, str) or names is None or not all(isinstance(m, str) for m in names):
+    raise TypeError(
+        "TrainerConfig.eval_metrics must be a sequence of metric names, e.g. ('auc',) or (),"
+        f" got {value!r}."
+    )
+  return names
 
 
 def _table_dtype(value: Any) -> str:

@@ -39,21 +39,21 @@ class DenseModel:
 
 @contextlib.contextmanager
 def _naming_a_missing_dense(dense: Any):
-  """Adds to an error of the model's first call that the batches hold no "dense" entry.
+  """Notes on an error of the model's first call that the batches hold no "dense" entry.
 
-  The model is then called with dense=None, and a model that reads it fails
-  somewhere inside (e.g. concatenating None).
+  The model is then called with dense=None; a model that reads it fails
+  somewhere inside (e.g. concatenating None). The error itself is kept: it
+  may have another cause.
   """
   try:
     yield
-  except (TypeError, AttributeError, ValueError) as error:
-    if dense is not None or isinstance(error, flax.errors.TraceContextError):
-      raise
-    raise TypeError(
-        f"the model failed when called with dense=None ({type(error).__name__}: {error}): the"
-        ' batches have no "dense" entry. Give every batch its dense features under "dense",'
-        " or write the model to ignore its dense argument."
-    ) from error
+  except Exception as error:
+    if dense is None and not isinstance(error, flax.errors.TraceContextError):
+      error.add_note(
+          'The batches have no "dense" entry, so the model was called with dense=None: give'
+          ' every batch its dense features under "dense" if the model reads them.'
+      )
+    raise
 
 
 def _check_nnx_keeps_its_state(apply_nnx, params, rest, activations, dense) -> None:

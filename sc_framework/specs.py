@@ -52,8 +52,9 @@ class TableSpec:
       stacking or the device count. Initializers that scale by the fans of
       `shape` see fan_in = 1 and fan_out = D: glorot_*, he_*, lecun_* and
       orthogonal (a unit row) do not give the scale they give a (V, D)
-      array. For a standard deviation of 1/sqrt(D) use the default or
-      `jax.nn.initializers.variance_scaling(1.0, "fan_out", "normal")`.
+      array. The default scales by D (a normal of sigma 1/sqrt(D), cut at
+      2 sigma); `jax.nn.initializers.variance_scaling(1.0, "fan_out",
+      "normal")` gives a standard deviation of 1/sqrt(D), uncut.
     optimizer: the sparse optimizer applied to this table's touched rows.
     combiner: how a sample's rows are combined: 'sum' (sum of w_j x_j),
       'mean' (sum of w_j x_j / sum of w_j) or 'sqrtn'

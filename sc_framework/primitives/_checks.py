@@ -88,8 +88,10 @@ def check_variables(plan: EmbeddingPlan, variables: Any) -> None:
 def check_step(step: Any) -> None:
   """`step` is an integer scalar in [0, 2^31): the number of updates applied so far.
 
-  Its value is checked when known (not traced): a negative step would give
-  Adam a zero bias correction, a float one would be cut silently.
+  Its value is checked when it is on the host (a Python or numpy int): a
+  negative step would give Adam a zero bias correction, a float one would
+  be cut silently. A jax array's dtype and shape are checked, never its
+  value, which would wait for the device.
   """
   hint = ("step is the number of updates applied so far: pass a Python int or an integer"
           " scalar array (e.g. the state's int32 step counter), 0 for the first update.")
@@ -101,7 +103,7 @@ def check_step(step: Any) -> None:
       described = (f"an array of dtype {dtype} and shape {np.shape(step)}" if dtype is not None
                    else f"{type(step).__name__} {step!r}")
       raise TypeError(f"step must be an integer scalar, got {described}. {hint}")
-    if isinstance(step, jax.core.Tracer):
+    if isinstance(step, jax.Array):  # traced, or on a device
       return
   value = int(step)
   if not 0 <= value < 2**31:

@@ -288,6 +288,12 @@ def test_config_errors_name_the_option():
   assert TrainerConfig(seed=np.int64(7)).seed == 7
   with pytest.raises(TypeError, match=r"eval_metrics must be a sequence of metric names.*'auc'"):
     TrainerConfig(eval_metrics="auc")  # was: unknown metrics ['a', 'u', 'c']
+  with pytest.raises(TypeError, match=r"eval_metrics must be a sequence of metric names.*None"):
+    TrainerConfig(eval_metrics=None)
+  with pytest.raises(ValueError, match=r"unknown metrics \['bogus'\]"):
+    TrainerConfig(eval_metrics=(m for m in ["bogus"]))  # a generator is read once
+  config = TrainerConfig(eval_metrics=["auc"])
+  assert config.eval_metrics == ("auc",) and hash(config) == hash(TrainerConfig())
   with pytest.raises(TypeError, match=r"dense_optimizer must be an optax.GradientTransformation"
                                       r" .*got 'adam'"):
     Trainer(LinearHead(), make_specs(SGD(SPARSE_LR)), mse, "adam", mesh=mesh_of(1))
@@ -441,13 +447,15 @@ def test_an_id_out_of_range_names_the_feature_and_the_batch(pipelining):
 
 
 def test_batches_without_dense_features_name_the_missing_entry_when_the_model_reads_it():
-  """The model got dense=None and failed inside (concatenating None)."""
+  """The model got dense=None and failed inside (concatenating None): its error
+  keeps its type and message and gets a note naming the missing entry."""
   batches = [{k: v for k, v in b.items() if k != "dense"} for b in make_batches(2, seed=48)]
   trainer = Trainer(LinearHead(), make_specs(SGD(SPARSE_LR)), mse, optax.sgd(DENSE_LR),
                     mesh=mesh_of(1), progress="off", padding_id=-1)
-  with pytest.raises(TypeError, match=r'called with dense=None .*the batches have no "dense"'
-                                      r" entry"):
+  with pytest.raises(TypeError) as raised:
     trainer.fit(batches)
+  assert any('The batches have no "dense" entry, so the model was called with dense=None' in note
+             for note in getattr(raised.value, "__notes__", [])), raised.value
 
   class SparseOnly(nn.Module):
     @nn.compact
