@@ -24,6 +24,7 @@ manager does not write one (`continues_chain`).
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections.abc import Sequence
 
@@ -103,12 +104,21 @@ def verify_item(item: epath.PathLike) -> None:
   manifest (written by Orbax's own managers), has nothing to be checked
   against: its chunks' crc32c codec is checked as they are read.
 
+  A step named through a symbolic link to it (a `latest` link beside the
+  steps, say) is checked where the link points; links inside the step are
+  errors, as everywhere.
+
   Raises:
     CorruptCheckpointError: naming every damaged, missing or linked file.
     BrokenChainError: a link of the chain is missing or unreadable.
   """
   item = epath.Path(item)
+  if "://" not in str(item):  # a local path: absolute, so messages name the step
+    item = epath.Path(os.path.abspath(item))
   step = item.parent
+  if _integrity.is_link(step):
+    step = epath.Path(os.path.realpath(step))
+    item = step / item.name
   manifest = step / _integrity.INTEGRITY_FILE
   if not (_integrity.is_link(manifest) or manifest.exists()):
     return
@@ -242,12 +252,6 @@ def check_deltas_keep_base(base_directory: epath.Path, base_states: dict,
       if optimizer is not None:
         optimizer_names[table] = optimizer
   return optimizer_names
-
-
-def item_states(item: epath.PathLike) -> dict:
-  """`table_states` of an item as a chain's base would read it (its own manifest)."""
-  item = epath.Path(item)
-  return _link_states(item, delta_manifest(item))
 
 
 def check_chain_states(item: epath.PathLike) -> None:

@@ -70,7 +70,12 @@ from checkpoint import _direct, _integrity, _optimizers, _save, _storage
 from checkpoint._direct import ChunkCache
 from checkpoint._format import MANIFEST_FILE, Manifest, array_dir, numpy_dtype
 from checkpoint._assembly import assemble_stacked, build_block
-from checkpoint._chain import check_deltas_keep_base, dependent_deltas, item_states, open_reader
+from checkpoint._chain import (
+    check_deltas_keep_base,
+    dependent_deltas,
+    open_reader,
+    table_states,
+)
 from checkpoint._errors import IncompatibleCheckpointError, SlotMismatchError
 from checkpoint._reader import find_item
 from checkpoint._source import verify_source
@@ -171,6 +176,10 @@ def convert(
       (naming every such file) or a chunk its checksum.
     IncompatibleCheckpointError: `target` lacks tables of the checkpoint.
     FileExistsError: `dst` exists and overwrite is False.
+    ValueError: `dst` is a step that later delta steps of its root read
+      (their base or an earlier delta), and the conversion would change
+      what their chain keeps (a table dtype of bfloat16 under float32
+      deltas); nothing is written.
     ValueError: the step's other items (those copied as they are) contain a
       symbolic link.
   """
@@ -198,6 +207,8 @@ def convert(
   if target != "unstacked":
     _check_every_table_placed(reader, target)
   storage = storage or reader.manifest.storage
+  if item is not None and item != src:
+    _check_dependent_deltas(dst, item.name, _converted_states(reader, table_dtype))
   tmp = _fresh_temporary_directory(dst)
   try:
     if item is not None and item != src:
@@ -215,7 +226,6 @@ def convert(
       )
     (tmp / _IN_PROGRESS_MARKER).unlink()
     if out != tmp:
-      _check_dependent_deltas(dst, out)
       _integrity.write_manifest(tmp)  # The converted step is complete.
   except BaseException:
     tmp.rmtree(missing_ok=True)
@@ -224,21 +234,35 @@ def convert(
   return dst if item is None or item == src else dst / item.name
 
 
-def _check_dependent_deltas(dst: epath.Path, converted: epath.Path) -> None:
-  """Raises if the converted item, replacing step `dst`'s, breaks later deltas that read it.
+def _converted_states(reader, table_dtype: np.dtype | None) -> dict:
+  """`_chain.table_states` of the conversion's output, before it is written.
+
+  A conversion keeps every table's shape, slots and optimizer (a chain is
+  read as its base's tables); only `table_dtype` changes the tables' dtype.
+  """
+  states = table_states(reader.manifest, reader.layout)
+  if table_dtype is None:
+    return states
+  return {table: ({**kept, "dtype": table_dtype.name}, optimizer)
+          for table, (kept, optimizer) in states.items()}
+
+
+def _check_dependent_deltas(dst: epath.Path, item_name: str, states: dict) -> None:
+  """Raises if the converted item, replacing step `dst`'s, would break later deltas that read it.
 
   A later step of `dst`'s root may be a delta whose chain reads `dst` (its
   base or an earlier delta): its rows go on top of the item found there,
-  which must keep the tables as the chain has them (`_chain.table_states`:
-  shapes, slots, dtypes). Another layout, stacking or storage keeps them; a
-  table dtype of bfloat16 under float32 deltas does not, and every later
-  step of the chain would no longer restore.
+  which must keep the tables as the chain has them (`states`, the
+  `_chain.table_states` of the conversion's output: shapes, slots, dtypes).
+  Another layout, stacking or storage keeps them; a table dtype of bfloat16
+  under float32 deltas does not, and every later step of the chain would
+  no longer restore. Checked before anything is written.
   """
   if not dst.exists():
     return
-  for deltas in dependent_deltas(dst, converted.name):
+  for deltas in dependent_deltas(dst, item_name):
     try:
-      check_deltas_keep_base(dst / converted.name, item_states(converted), deltas)
+      check_deltas_keep_base(dst / item_name, states, deltas)
     except IncompatibleCheckpointError as error:
       steps = sorted(int(delta.directory.parent.name) for delta in deltas)
       raise ValueError(

@@ -89,6 +89,11 @@ class EmbeddingCheckpointHandler(ocp.AsyncCheckpointHandler):
     An item of a step with an integrity manifest is verified against it
     first (`checkpoint._chain.verify_item`), whoever calls the restore.
     """
+    if not isinstance(args, (EmbeddingRestore, TableRestore)):
+      raise TypeError(
+          "EmbeddingCheckpointHandler.restore needs args=EmbeddingRestore(layout, mesh,"
+          f" axis_name) or args=TableRestore(...), got {type(args).__name__}."
+      )
     verify_item(directory)
     reader = open_reader(directory)  # A delta item reads as its chain.
     if isinstance(args, EmbeddingRestore):
@@ -105,12 +110,7 @@ class EmbeddingCheckpointHandler(ocp.AsyncCheckpointHandler):
           on_slot_mismatch=args.on_slot_mismatch,
           dtype=args.dtype,
       )
-    if isinstance(args, TableRestore):
-      return read_tables(reader, args.tables, args.rows)
-    raise TypeError(
-        "EmbeddingCheckpointHandler.restore needs args=EmbeddingRestore(layout, mesh, axis_name)"
-        f" or args=TableRestore(...), got {type(args).__name__}."
-    )
+    return read_tables(reader, args.tables, args.rows)
 
   def metadata(self, directory: epath.Path) -> dict[str, Any] | None:
     """A JSON-friendly summary of the item (see `checkpoint.inspect`), or None."""

@@ -489,6 +489,7 @@ def test_a_chains_base_converted_in_place_must_keep_its_deltas_readable(tmp_path
                      r" \[1, 2\].*dtype float32 but its base .* has bfloat16"):
     ck.convert(root / "0", root / "0", layout, table_dtype="bfloat16", overwrite=True)
   assert (root / "0" / "integrity.json").read_text() == manifest
+  assert sorted(os.listdir(root)) == ["0", "1", "2"]  # refused before anything was written
   assert cli.main(["convert", str(root / "0"), str(root / "0"), "--overwrite", "--quiet",
                    "--table-dtype", "bfloat16", "--groups", "same"]) == 1
   assert "would break the delta steps [1, 2]" in capsys.readouterr().err

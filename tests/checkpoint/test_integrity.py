@@ -183,3 +183,19 @@ def test_links_below_finds_what_the_walk_reports_as_links(tmp_path):
   assert _integrity.links_below(tmp_path / "a" / "b" / "c") == [
       tmp_path / "a" / "b" / "c" / "to_folder"
   ]
+
+
+def test_a_step_named_through_a_link_to_it_is_verified_where_it_points(root, tmp_path):
+  """A `latest` link beside the steps: the handler checks the real step's
+  manifest (it refused the link itself), and still finds its damage."""
+  latest = tmp_path / "latest"
+  os.symlink(root / "2", latest)
+  handler = ck.EmbeddingCheckpointHandler()
+  through = handler.restore(latest / "embedding", ck.TableRestore())
+  direct = handler.restore(root / "2" / "embedding", ck.TableRestore())
+  for name, table in direct.tables.items():
+    assert_same_bits(through.tables[name], table)
+  chunk = fault_lib.TARGETS["table chunk"](root / "2")
+  fault_lib._flip(chunk)
+  with pytest.raises(ck.CorruptCheckpointError, match="fails its CRC32C checksum"):
+    handler.restore(latest / "embedding", ck.TableRestore())
