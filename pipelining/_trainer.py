@@ -828,16 +828,22 @@ def _fit_arguments(num_steps: int | None, epochs: int | None, eval_data: Iterabl
   return num_steps, epochs, eval_every
 
 
+_HOOKS = tuple(name for name in vars(Callback) if name.startswith("on_"))
+
+
 def _checked_callbacks(callbacks: Sequence[Callback]) -> tuple[Callback, ...]:
-  """fit's callbacks, each a `Callback` (whose hooks fit calls)."""
-  if isinstance(callbacks, Callback):
+  """fit's callbacks: each a `Callback`, or an object with all of its hooks (fit calls them)."""
+  if isinstance(callbacks, Callback) or (
+      not isinstance(callbacks, (list, tuple)) and hasattr(callbacks, _HOOKS[0])):
     callbacks = (callbacks,)
-  others = [c for c in callbacks if not isinstance(c, Callback)]
-  if others:
-    raise TypeError(
-        f"callbacks must be pipelining.Callback objects (subclass Callback and override the"
-        f" hooks you need, e.g. on_step_end), got {others!r}."
-    )
+  for callback in callbacks:
+    missing = [name for name in _HOOKS if not callable(getattr(callback, name, None))]
+    if missing and not isinstance(callback, Callback):
+      raise TypeError(
+          f"callbacks must be pipelining.Callback objects (subclass Callback and override the"
+          f" hooks you need, e.g. on_step_end), or have all of its hooks; {callback!r} lacks"
+          f" {missing}."
+      )
   return tuple(callbacks)
 
 

@@ -303,7 +303,8 @@ def test_fit_refuses_callbacks_that_are_not_callbacks_and_empty_eval_data_before
   trainer = Trainer(LinearHead(), make_specs(SGD(SPARSE_LR)), mse, optax.sgd(DENSE_LR),
                     mesh=mesh_of(1), progress="off", padding_id=-1, eval_metrics=())
   batches = make_batches(2, seed=47)
-  with pytest.raises(TypeError, match=r"callbacks must be pipelining.Callback objects"):
+  with pytest.raises(TypeError, match=r"callbacks must be pipelining.Callback objects .* lacks"
+                                      r" \['on_fit_start', 'on_step_end'"):
     trainer.fit(batches, callbacks=[lambda *args: None])
   with pytest.raises(ValueError, match=r"eval_data is empty: fit would fail at its first"
                                        r" evaluation, after training"):
@@ -318,6 +319,19 @@ def test_fit_refuses_callbacks_that_are_not_callbacks_and_empty_eval_data_before
 
   trainer.fit(batches, callbacks=Count())  # one Callback alone is taken as the sequence of it
   assert Count.steps == 2
+
+  class DuckTyped:  # every hook, no base class: as examples/dlrm.py's StepClock
+    def __init__(self):
+      self.calls = []
+
+    def __getattr__(self, name):
+      if not name.startswith("on_"):
+        raise AttributeError(name)
+      return lambda *args: self.calls.append(name)
+
+  duck = DuckTyped()
+  trainer.fit(batches, callbacks=[duck])
+  assert duck.calls[0] == "on_fit_start" and duck.calls.count("on_step_end") == 2
 
 
 @pytest.mark.parametrize("arguments, message", [
