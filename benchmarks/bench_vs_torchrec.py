@@ -308,8 +308,9 @@ def vs_plain_jax(config, repeats: int) -> list[dict]:
     ours = Ours(num_tables, vocab, dim, batch, optimizer, warmup)
     ready = ours.buffers(raw)
     plain = plain_jax_runner(num_tables, vocab, dim, padded_ids(raw), baseline)
-    timing = time_interleaved({"plain_jax": plain, "ours_step_features": lambda i: ours.train_features(ready)},
-                              repeats)
+    timing = time_interleaved(
+        {"plain_jax": plain, "ours_step_features": lambda i: ours.train_features(ready)},
+        repeats)
     rows.append({
         "optimizer": name, "backend": ours.backend,
         **{f"{case}_{key}": value for case, t in timing.items() for key, value in t.items()},
@@ -372,7 +373,8 @@ def main(argv=None) -> dict:
     print_table(rows, [
         ("optimizer", "optimizer", "s"), ("plain_jax_ms", "plain JAX ms", ".1f"),
         ("ours_step_features_ms", "ours step ms", ".1f"), ("ratio", "ours/plain", ".2f"),
-        ("plain_jax_cpu_ms", "plain CPU ms", ".1f"), ("ours_step_features_cpu_ms", "ours CPU ms", ".1f"),
+        ("plain_jax_cpu_ms", "plain CPU ms", ".1f"),
+        ("ours_step_features_cpu_ms", "ours CPU ms", ".1f"),
     ])
     result["plain_jax"] = {"results": rows}
   write_json(args.json, result)

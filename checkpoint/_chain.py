@@ -124,8 +124,9 @@ def verify_item(item: epath.PathLike) -> None:
     return
   what = f"checkpoint step {step.name} ({step})"
   _integrity.raise_for(_integrity.check_step(step, depth="items", items=[item.name]), what)
-  _integrity.raise_for(chain_problems(item, "items"),
-                       f"the delta chain of checkpoint step {step.name} (its earlier steps; {step})")
+  _integrity.raise_for(
+      chain_problems(item, "items"),
+      f"the delta chain of checkpoint step {step.name} (its earlier steps; {step})")
 
 
 def walk_chain(item: epath.PathLike) -> list[tuple[epath.Path, DeltaManifest | None]]:

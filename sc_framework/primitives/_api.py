@@ -84,7 +84,8 @@ def stacked_lookup(
 def split_stacked_activations(plan: EmbeddingPlan,
                               stacked: dict[str, jax.Array]) -> dict[str, jax.Array]:
   """`stacked_lookup`'s result -> feature name -> activations (as `embedding_lookup`)."""
-  _check_stacked(plan, stacked, "stacked activations", "Pass stacked_lookup's result for this plan.")
+  _check_stacked(plan, stacked, "stacked activations",
+                 "Pass stacked_lookup's result for this plan.")
   return _shaped(plan, _sharded.split_stacks(plan, stacked))
 
 

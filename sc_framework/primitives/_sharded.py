@@ -339,6 +339,6 @@ def apply_stacked_gradients(
     *,
     ops: RowOps = XLA_OPS,
 ) -> EmbeddingVariables:
-  """Fused update from per-stack gradients; see `sc_framework.primitives.apply_stacked_gradients`."""
+  """Fused update from per-stack gradients (`primitives.apply_stacked_gradients`)."""
   return _apply(plan, variables, batch, lambda stack: stacked_grads[stack.name], step, ops,
                 _logical_columns)

@@ -102,7 +102,8 @@ def test_a_changed_chunk_without_chunk_checksums_fails_every_restore_of_its_item
   handler = ck.EmbeddingCheckpointHandler()
   for restore in (
       lambda: handler.restore(step / "embedding", ck.TableRestore()),
-      lambda: handler.restore(step / "embedding", ck.TableRestore(tables=["a"], rows={"a": (0, 3)})),
+      lambda: handler.restore(step / "embedding",
+                              ck.TableRestore(tables=["a"], rows={"a": (0, 3)})),
       lambda: handler.restore(step / "embedding", into_layout),
       lambda: ocp.Checkpointer(handler).restore(step / "embedding", args=ck.TableRestore()),
   ):

@@ -138,8 +138,8 @@ def test_integer_steps_of_every_form_are_accepted_also_traced():
   batch = _batch(features, plan)
   results = [apply_embedding_gradients(plan, variables, batch, _grads(features), step)
              for step in (3, np.int64(3), jnp.int32(3), np.array(3, np.uint8))]
-  results.append(jax.jit(lambda v, b, s: apply_embedding_gradients(plan, v, b, _grads(features), s))(
-      variables, batch, jnp.int32(3)))
+  jitted = jax.jit(lambda v, b, s: apply_embedding_gradients(plan, v, b, _grads(features), s))
+  results.append(jitted(variables, batch, jnp.int32(3)))
   for result in results[1:]:  # one program traced eagerly or inside a jit: fusions may differ
     for name, table in result.tables.items():
       assert_close(table, results[0].tables[name], terms=BATCH * 3)
