@@ -23,6 +23,7 @@ they were collected on, are not merged with statistics of another, and
 from __future__ import annotations
 
 import dataclasses
+import fractions
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal, NamedTuple
@@ -249,6 +250,15 @@ def merge_stats(stats: Iterable[PreprocessStats]) -> PreprocessStats:
   return result
 
 
+def _scaled_up(observed: int, headroom: float) -> int:
+  """ceil(observed * headroom), headroom taken as the decimal it is written as.
+
+  In binary floating point 100 * 1.1 is 110.00000000000001, whose ceiling
+  would be 111; the shortest decimal of 1.1 (11/10) gives 110, as written.
+  """
+  return math.ceil(observed * fractions.Fraction(repr(float(headroom))))
+
+
 def size_limits_from_stats(
     feature_specs: Sequence[FeatureSpec],
     stats: PreprocessStats | Iterable[PreprocessStats],
@@ -310,8 +320,8 @@ def size_limits_from_stats(
     _check_stats_layout(stats, layout)
   needed: dict[str, tuple[int, int]] = {}
   for stack_stats in stats.stacks.values():
-    ids = max(1, math.ceil(stack_stats.max_ids_per_partition * headroom))
-    unique = max(1, math.ceil(stack_stats.max_unique_ids_per_partition * headroom))
+    ids = max(1, _scaled_up(stack_stats.max_ids_per_partition, headroom))
+    unique = max(1, _scaled_up(stack_stats.max_unique_ids_per_partition, headroom))
     for name in stack_stats.tables:
       needed[name] = (ids, unique)
   new_tables: dict[str, TableSpec] = {}

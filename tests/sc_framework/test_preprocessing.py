@@ -1068,3 +1068,13 @@ def test_internal_algorithm_variants(monkeypatch, knobs, weighted):
     inputs = {n: to_form(s, "ragged_splits", weighted)[0] for n, s in samples.items()}
     batches, _ = preprocess(inputs, specs, layout)
     check_all(layout, specs, samples, batches, rng)
+
+
+@pytest.mark.parametrize("observed, headroom, limit", [
+    (100, 1.1, 110), (10, 1.1, 11), (1000, 1.1, 1100), (50, 1.2, 60), (35000, 1.2, 42000),
+    (7, 1.5, 11), (3, 1.0, 3), (1, 1.01, 2), (999, 1.001, 1000),
+])
+def test_headroom_scales_the_observed_maximum_as_written_in_decimal(observed, headroom, limit):
+  """ceil(100 * 1.1) was 111: the float product is 110.00000000000001."""
+  from sc_framework.preprocessing._stats import _scaled_up
+  assert _scaled_up(observed, headroom) == limit
