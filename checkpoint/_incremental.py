@@ -24,6 +24,7 @@ never breaks a chain.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -128,6 +129,9 @@ class IncrementalSaves:
     self._parents: dict[int, int | None] = {}
     # (parent step, base step, deltas after the base) of the state last saved or restored.
     self._open: tuple[int, int, int] | None = None
+    # When (time.monotonic()) a restore last opened the chain: a tracker older than that
+    # holds rows changed since another state.
+    self._restored_at: float | None = None
 
   def item_dir(self, step: int) -> epath.Path:
     return self._root / str(step) / self._item
@@ -146,11 +150,19 @@ class IncrementalSaves:
 
   def args_for(
       self,
+      step: int,
       embedding: EmbeddingSave,
       updated_rows: UpdatedRows | Mapping[str, np.ndarray] | None,
       save_kind: SaveKind,
   ) -> EmbeddingSave:
-    """The save args of the next save: `embedding` itself, or a delta of it."""
+    """The save args of step `step`: `embedding` itself, or a delta of it.
+
+    A delta needs its parent (the state last saved or restored) to be an
+    earlier step, and an `UpdatedRows` tracker made or cleared since that
+    state was restored (else it holds rows changed since another state, e.g.
+    an older step restored for an evaluation while training went on); if
+    not, 'auto' saves in full and 'delta' raises.
+    """
     if save_kind not in ("auto", "full", "delta"):
       raise ValueError(f"save_kind must be 'auto', 'full' or 'delta', got {save_kind!r}.")
     if self._open is not None and not (self.item_dir(self._open[0]) / MANIFEST_FILE).exists():
@@ -165,6 +177,12 @@ class IncrementalSaves:
       return embedding
     if isinstance(updated_rows, UpdatedRows):
       _check_tracker_layout(updated_rows.layout, embedding.layout)
+    unsure = self._why_no_delta(step, updated_rows)
+    if unsure is not None:
+      if save_kind == "delta":
+        raise ValueError(f"save_kind='delta' for step {step}: {unsure} Save it in full"
+                         " (save_kind='full' or 'auto').")
+      return embedding
     rows = updated_rows.rows() if isinstance(updated_rows, UpdatedRows) else dict(updated_rows)
     total = sum(stack.vocabulary_size for stack in embedding.layout.stacks)
     share = sum(np.asarray(r).size for r in rows.values()) / max(1, total)
@@ -184,25 +202,68 @@ class IncrementalSaves:
       return embedding
     return dataclasses.replace(embedding, delta=Delta(rows, parent, base))
 
+  def _why_no_delta(self, step: int, updated_rows) -> str | None:
+    """Why step `step` cannot be a delta of the open chain's state, or None."""
+    if self._open is not None and self._open[0] >= step:
+      return (f"the state it would be a delta of is step {self._open[0]}, not an earlier step"
+              " (a chain runs forward).")
+    if (isinstance(updated_rows, UpdatedRows) and self._restored_at is not None
+        and updated_rows.since < self._restored_at):
+      return (f"updated_rows was last cleared before step {self._open[0]} was restored, so it"
+              " holds the rows changed since another state; clear it (or make a new one) when"
+              " the restored state becomes the one trained.")
+    return None
+
+  def starting(self, step: int, args) -> None:
+    """Records the parent of a save about to start.
+
+    Before Orbax's save, whose retention decides which steps to delete while
+    the new step is not yet on disk: it must keep the new step's parent.
+    """
+    delta = getattr(args, "delta", None)
+    self._parents[step] = None if delta is None else delta.parent_step
+
   def saved(self, step: int, args, updated_rows) -> None:
     """Records a started save (and clears the tracker, whose rows it holds)."""
     if args.delta is not None:
-      self._parents[step] = args.delta.parent_step
       self._open = (step, args.delta.base_step, self._open[2] + 1)
     else:
-      self._parents[step] = None
       self._open = (step, step, 0)
     if isinstance(updated_rows, UpdatedRows):
       updated_rows.clear()
 
-  def failed(self) -> None:
-    """A save failed: its step may be missing, so the next save starts a chain."""
+  def not_started(self, step: int) -> None:
+    """The save of `step` recorded by `starting` did not start (not due)."""
+    self._parents.pop(step, None)
+
+  def failed(self, step: int | None = None) -> None:
+    """A save (of `step`, if known) failed: it may be missing, so the next save starts a chain."""
+    if step is not None:
+      self._parents.pop(step, None)
     self._open = None
 
   def restored(self, step: int) -> None:
     """The live state is now `step`'s: the next delta's parent is `step`."""
     chain = walk_chain(self.item_dir(step))
     self._open = (step, int(chain[0][0].parent.name), len(chain) - 1)
+    self._restored_at = time.monotonic()
+
+  def later_deltas_reading(self, step: int) -> list[int]:
+    """The steps after `step` on disk whose delta chains name `step` (reads manifests only).
+
+    A delta names its parent by number: a new step of that number would
+    silently become part of their chains.
+    """
+    later = sorted(int(child.name) for child in self._root.iterdir()
+                   if child.name.isdigit() and int(child.name) > step)
+    found = []
+    for candidate in later:
+      parent = self.parent_of(candidate)
+      while parent is not None and parent > step:
+        parent = self.parent_of(parent)
+      if parent == step:
+        found.append(candidate)
+    return found
 
   def broken(self, step: int) -> str | None:
     """Why a step's chain cannot be restored (reads manifests only), or None."""

@@ -237,20 +237,24 @@ class CheckpointManager:
     if embedding is not None and isinstance(embedding, EmbeddingSave):
       if self._incremental.policy is not None:
         self.wait_until_finished()  # A delta's parent must be committed.
-      embedding = self._incremental.args_for(embedding, updated_rows, save_kind)
+      embedding = self._incremental.args_for(step, embedding, updated_rows, save_kind)
     args = self._composite(embedding, items, EmbeddingSave)
     if (force or self._manager.should_save(step)) and step not in self.all_steps():
       self._refuse_a_step_saved_by_another_writer(step)
+      self._refuse_a_step_later_deltas_read(step)
       if jax.process_index() == 0:
         _steps.set_aside(self._directory / str(step))
+    self._incremental.starting(step, embedding)
     try:
       started = self._manager.save(
           step, args=args, metrics=dict(metrics) if metrics else None, force=force
       )
     except BaseException:
-      self._incremental.failed()
+      self._incremental.failed(step)
       raise
-    if started and embedding is not None:
+    if not started:
+      self._incremental.not_started(step)
+    elif embedding is not None:
       self._incremental.saved(step, embedding, updated_rows)
     return started
 
@@ -270,6 +274,22 @@ class CheckpointManager:
         " that write one directory overwrite each other's checkpoints: give each its own"
         " directory, or restore the newest step before training on."
     )
+
+  def _refuse_a_step_later_deltas_read(self, step: int) -> None:
+    """Raises if delta steps after `step` name it as a link of their chains.
+
+    They were saved after another step of that number (deleted, or never
+    completed): a new one would become part of their chains, and they would
+    restore a mix of two runs.
+    """
+    later = self._incremental.later_deltas_reading(step)
+    if later:
+      raise ValueError(
+          f"cannot save step {step} in {self._directory}: the delta steps {later} name step"
+          f" {step} in their chains (a step {step} saved before, now gone), so they would"
+          " read the new one as theirs and restore a mix of two runs. Delete those steps, or"
+          " save under a step number after them."
+      )
 
   def restore(
       self,

@@ -24,6 +24,7 @@ training loop saves.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable, Mapping
 
 import jax
@@ -68,6 +69,11 @@ class UpdatedRows:
   def layout(self) -> EmbeddingLayout:
     return self._layout
 
+  @property
+  def since(self) -> float:
+    """When (time.monotonic()) the tracker was made or last cleared: it holds the rows since."""
+    return self._since
+
   def clear(self) -> None:
     """Forgets every row (call after a save has taken its snapshot)."""
     with self._lock:
@@ -75,6 +81,7 @@ class UpdatedRows:
         self._merged[name] = np.zeros((0,), np.int64)
         self._pending[name] = []
         self._pending_count[name] = 0
+      self._since = time.monotonic()
 
   def add_batch(self, batch: Mapping[str, StackBatch]) -> None:
     """Records the rows a preprocessed batch (stack name -> StackBatch) updates."""

@@ -508,3 +508,114 @@ def test_a_chains_base_converted_in_place_must_keep_its_deltas_readable(tmp_path
   assert cli.main(["verify", str(root)]) == 1
   out = capsys.readouterr().out
   assert "its delta chain is broken" in out and "bfloat16" in out, out
+
+
+def _restored_tables(root, step):
+  return ck.EmbeddingCheckpointHandler().restore(root / str(step) / "embedding", ck.TableRestore())
+
+
+def _assert_state(restored, model):
+  for name, table in model.logical.items():
+    assert_same_bits(restored.tables[name], table, err_msg=name)
+    for slot, values in model.slots[name].items():
+      assert_same_bits(restored.slots[name][slot], values, err_msg=f"{name} {slot}")
+
+
+@pytest.mark.parametrize("retention", [dict(keep_latest=1),
+                                       dict(keep_latest=1, keep_best=1, best_metric="loss")])
+def test_retention_of_one_step_keeps_the_base_of_the_newest_delta(tmp_path, retention):
+  """Orbax chose what to delete inside the save, before the new delta's parent
+  was recorded: it deleted the base, and the one step left did not restore."""
+  model = make_model(SPECS, seed=16)
+  layout = model.layout([["a", "b"], ["c"]], 1, 1)
+  rng, tracker = np.random.default_rng(17), ck.UpdatedRows(layout)
+  policy = ck.IncrementalPolicy(max_delta_share=1.0)
+  with ck.CheckpointManager(tmp_path, incremental=policy, **retention) as mngr:  # async saves
+    for step in range(3):
+      if step:
+        touch_rows(model, layout, tracker, rng, 0.1)
+      tables, slots = model.state(layout)
+      mngr.save(step, ck.EmbeddingSave(tables, slots, layout, model.slot_specs(layout)),
+                updated_rows=tracker, force=True, metrics={"loss": 1.0 / (step + 1)})
+      mngr.wait_until_finished()
+    assert mngr.all_steps() == [0, 1, 2] and mngr.latest_step() == 2
+    _assert_state(mngr.restore(None, ck.TableRestore())["embedding"], model)
+
+
+def test_a_step_below_the_last_saved_is_saved_in_full(tmp_path):
+  """A delta's parent must be an earlier step: save(3) after step 4 wrote a
+  delta of step 4 that no restore could read."""
+  model = make_model(SPECS, seed=18)
+  layout = model.layout([["a", "b"], ["c"]], 1, 1)
+  rng, tracker = np.random.default_rng(19), ck.UpdatedRows(layout)
+  policy = ck.IncrementalPolicy(max_delta_share=1.0)
+  with ck.CheckpointManager(tmp_path, keep_latest=10, incremental=policy) as mngr:
+    for step in (0, 2, 4):
+      if step:
+        touch_rows(model, layout, tracker, rng, 0.1)
+      _save(mngr, step, model, layout, tracker)
+    touch_rows(model, layout, tracker, rng, 0.1)
+    tables, slots = model.state(layout)
+    embedding = ck.EmbeddingSave(tables, slots, layout, model.slot_specs(layout))
+    with pytest.raises(ValueError, match=r"save_kind='delta' for step 3: the state it would be a"
+                       r" delta of is step 4, not an earlier step"):
+      mngr.save(3, embedding, updated_rows=tracker, force=True, save_kind="delta")
+    assert mngr.save(3, embedding, updated_rows=tracker, force=True)
+    mngr.wait_until_finished()
+  assert "chain" not in ck.inspect(tmp_path / "3")["embedding"]
+  _assert_state(_restored_tables(tmp_path, 3), model)
+
+
+def test_a_step_that_later_deltas_name_is_not_saved_again(tmp_path):
+  """Step 3 of a chain 0..5 deleted, the run resumed at 2 and saved 3 again:
+  deltas 4 and 5 read the new step 3 and restored a mix of two runs."""
+  model = make_model(SPECS, seed=20)
+  layout = model.layout([["a", "b"], ["c"]], 1, 1)
+  rng, tracker = np.random.default_rng(21), ck.UpdatedRows(layout)
+  policy = ck.IncrementalPolicy(max_delta_share=1.0)
+  states = {}
+  with ck.CheckpointManager(tmp_path, keep_latest=10, incremental=policy) as mngr:
+    for step in range(6):
+      if step:
+        touch_rows(model, layout, tracker, rng, 0.1)
+      _save(mngr, step, model, layout, tracker)
+      states[step] = ({k: v.copy() for k, v in model.logical.items()},
+                      {k: {s: v.copy() for s, v in slots.items()}
+                       for k, slots in model.slots.items()})
+  shutil.rmtree(tmp_path / "3")
+  with ck.CheckpointManager(tmp_path, keep_latest=10, incremental=policy) as mngr:
+    mngr.restore(2, ck.EmbeddingRestore(layout, make_mesh(1), AXIS))
+    model.logical, model.slots = states[2]  # the live state is step 2's again
+    tracker = ck.UpdatedRows(layout)
+    touch_rows(model, layout, tracker, rng, 0.1)
+    with pytest.raises(ValueError, match=r"cannot save step 3 .*the delta steps \[4, 5\] name"
+                       r" step 3 in their chains"):
+      _save(mngr, 3, model, layout, tracker)
+    assert not (tmp_path / "3").exists()
+    _save(mngr, 6, model, layout, tracker)
+  _assert_state(_restored_tables(tmp_path, 6), model)
+
+
+def test_a_tracker_older_than_a_restore_gives_a_full_save(tmp_path):
+  """An older step restored (to evaluate it) while training went on: the next
+  delta named it as parent with the rows since the last save, and restored
+  neither state."""
+  model = make_model(SPECS, seed=22)
+  layout = model.layout([["a", "b"], ["c"]], 1, 1)
+  rng, tracker = np.random.default_rng(23), ck.UpdatedRows(layout)
+  policy = ck.IncrementalPolicy(max_delta_share=1.0)
+  with ck.CheckpointManager(tmp_path, keep_latest=10, incremental=policy) as mngr:
+    for step in range(4):
+      if step:
+        touch_rows(model, layout, tracker, rng, 0.1)
+      _save(mngr, step, model, layout, tracker)
+    mngr.restore(1, ck.EmbeddingRestore(layout, make_mesh(1), AXIS))  # evaluated on the side
+    touch_rows(model, layout, tracker, rng, 0.1)
+    tables, slots = model.state(layout)
+    embedding = ck.EmbeddingSave(tables, slots, layout, model.slot_specs(layout))
+    with pytest.raises(ValueError, match=r"updated_rows was last cleared before step 1 was"
+                       r" restored"):
+      mngr.save(4, embedding, updated_rows=tracker, force=True, save_kind="delta")
+    _save(mngr, 4, model, layout, tracker)
+  assert "chain" not in ck.inspect(tmp_path / "4")["embedding"]
+  _assert_state(_restored_tables(tmp_path, 4), model)
