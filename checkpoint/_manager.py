@@ -154,8 +154,10 @@ class CheckpointManager:
     self._incremental = IncrementalSaves(incremental, self._directory, embedding_item)
     self._read_only = read_only
     if not read_only:
-      remove_unfinished_saves(self._directory)
+      # Compactions first: a killed one leaves `<step>.compacting` plus a temporary
+      # suffix, which it removes, and which would otherwise be warned about as foreign.
       finish_interrupted_compactions(self._directory)
+      remove_unfinished_saves(self._directory)
     _steps.warn_foreign_entries(self._directory)
     save_policy = policies.AnySavePolicy(
         [

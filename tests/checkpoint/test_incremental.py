@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import numpy as np
 import pytest
@@ -619,3 +620,21 @@ def test_a_tracker_older_than_a_restore_gives_a_full_save(tmp_path):
     _save(mngr, 4, model, layout, tracker)
   assert "chain" not in ck.inspect(tmp_path / "4")["embedding"]
   _assert_state(_restored_tables(tmp_path, 4), model)
+
+
+def test_a_killed_compaction_is_cleaned_up_without_a_warning_calling_it_foreign(tmp_path):
+  """The copy a killed `compact` was writing (`<step>.compacting` with the
+  temporary suffix) was named in a warning as left alone, then deleted."""
+  model = make_model(SPECS, seed=24)
+  layout = model.layout([["a", "b"], ["c"]], 1, 1)
+  with ck.CheckpointManager(tmp_path) as mngr:
+    _save(mngr, 3, model, layout)
+  leftover = tmp_path / "3.compacting.orbax-checkpoint-tmp"
+  (leftover / "embedding").mkdir(parents=True)
+  (leftover / "embedding" / "manifest.json").write_text("{")
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", RuntimeWarning)
+    with ck.CheckpointManager(tmp_path) as mngr:
+      assert mngr.all_steps() == [3]
+  assert sorted(os.listdir(tmp_path)) == ["3"]
+  _assert_state(_restored_tables(tmp_path, 3), model)
