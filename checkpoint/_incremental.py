@@ -183,7 +183,7 @@ class IncrementalSaves:
         raise ValueError(f"save_kind='delta' for step {step}: {unsure} Save it in full"
                          " (save_kind='full' or 'auto').")
       return embedding
-    rows = updated_rows.rows() if isinstance(updated_rows, UpdatedRows) else dict(updated_rows)
+    rows = updated_rows.handed() if isinstance(updated_rows, UpdatedRows) else dict(updated_rows)
     total = sum(stack.vocabulary_size for stack in embedding.layout.stacks)
     share = sum(np.asarray(r).size for r in rows.values()) / max(1, total)
     chain = None if self._open is None else self._open[2]
@@ -223,14 +223,12 @@ class IncrementalSaves:
     delta = getattr(args, "delta", None)
     self._parents[step] = None if delta is None else delta.parent_step
 
-  def saved(self, step: int, args, updated_rows) -> None:
-    """Records a started save (and clears the tracker, whose rows it holds)."""
+  def saved(self, step: int, args) -> None:
+    """Records a started save."""
     if args.delta is not None:
       self._open = (step, args.delta.base_step, self._open[2] + 1)
     else:
       self._open = (step, step, 0)
-    if isinstance(updated_rows, UpdatedRows):
-      updated_rows.clear()
 
   def not_started(self, step: int) -> None:
     """The save of `step` recorded by `starting` did not start (not due)."""

@@ -222,8 +222,9 @@ class CheckpointManager:
       metrics: numbers for `best_metric`.
       force: save regardless of the interval (save on demand).
       updated_rows: the rows updated since the previous save (an
-        `UpdatedRows` tracker, cleared when the save starts, or stack ->
-        global rows); with `incremental`, the save may then be a delta.
+        `UpdatedRows` tracker, whose rows the save takes in one locked step
+        and forgets once it started, keeping those added meanwhile; or stack
+        -> global rows); with `incremental`, the save may then be a delta.
       save_kind: 'auto' (the incremental policy decides), 'full' (a full
         save now, starting a new chain) or 'delta'.
 
@@ -236,28 +237,42 @@ class CheckpointManager:
           f"this CheckpointManager of {self._directory} was opened with read_only=True and"
           " cannot save; open another one without it to write checkpoints."
       )
+    tracker = updated_rows if isinstance(updated_rows, UpdatedRows) else None
     if embedding is not None and isinstance(embedding, EmbeddingSave):
       if self._incremental.policy is not None:
         self.wait_until_finished()  # A delta's parent must be committed.
-      embedding = self._incremental.args_for(step, embedding, updated_rows, save_kind)
-    args = self._composite(embedding, items, EmbeddingSave)
-    if (force or self._manager.should_save(step)) and step not in self.all_steps():
-      self._refuse_a_step_saved_by_another_writer(step)
-      self._refuse_a_step_later_deltas_read(step)
-      if jax.process_index() == 0:
-        _steps.set_aside(self._directory / str(step))
-    self._incremental.starting(step, embedding)
+    if tracker is not None:
+      tracker.hand_over()  # Rows added from now on are the next save's.
     try:
-      started = self._manager.save(
-          step, args=args, metrics=dict(metrics) if metrics else None, force=force
-      )
+      if embedding is not None and isinstance(embedding, EmbeddingSave):
+        embedding = self._incremental.args_for(step, embedding, updated_rows, save_kind)
+      args = self._composite(embedding, items, EmbeddingSave)
+      if (force or self._manager.should_save(step)) and step not in self.all_steps():
+        self._refuse_a_step_saved_by_another_writer(step)
+        self._refuse_a_step_later_deltas_read(step)
+        if jax.process_index() == 0:
+          _steps.set_aside(self._directory / str(step))
+      self._incremental.starting(step, embedding)
+      try:
+        started = self._manager.save(
+            step, args=args, metrics=dict(metrics) if metrics else None, force=force
+        )
+      except BaseException:
+        self._incremental.failed(step)
+        raise
     except BaseException:
-      self._incremental.failed(step)
+      if tracker is not None:
+        tracker.take_back()
       raise
     if not started:
       self._incremental.not_started(step)
     elif embedding is not None:
-      self._incremental.saved(step, embedding, updated_rows)
+      self._incremental.saved(step, embedding)
+    if tracker is not None:
+      if started and embedding is not None:
+        tracker.forget_handed()
+      else:
+        tracker.take_back()
     return started
 
   def _refuse_a_step_saved_by_another_writer(self, step: int) -> None:

@@ -17,8 +17,13 @@ rows touched (8 bytes each), not to the table. A V_s-byte bitmap would cost
 entries at every save; the sorted set costs 8 bytes per touched row, and
 delta saves are used exactly when that share is small.
 
-The tracker is thread-safe: a prefetching thread may feed it while the
-training loop saves.
+The tracker is thread-safe, and a save takes its rows in one locked step
+(`hand_over`): rows added meanwhile, from another thread too, stay for the
+next save, and only the rows the save took are forgotten once it started. A
+row must be recorded for every save after which its batch is applied: a
+thread that prepares batches ahead records the rows of a batch before it is
+applied, so after a save it records those of the batches still unapplied
+again (as the Trainer does).
 """
 
 from __future__ import annotations
@@ -41,8 +46,9 @@ class UpdatedRows:
   """The global rows of each stack updated since the last `clear`.
 
   Feed it every batch that is applied to the tables (`add_batch` with a
-  preprocessed batch, or `add` with global stacked rows); read the rows with
-  `rows()` when saving, then `clear()` once the save has started.
+  preprocessed batch, or `add` with global stacked rows) and pass it to
+  `CheckpointManager.save`, which takes its rows and forgets them once the
+  save has started (`hand_over`, `forget_handed`).
 
   Example:
     tracker = checkpoint.UpdatedRows(layout)
@@ -62,6 +68,9 @@ class UpdatedRows:
     self._merged: dict[str, np.ndarray] = {}
     self._pending: dict[str, list[np.ndarray]] = {}
     self._pending_count: dict[str, int] = {}
+    # The rows a save took (`hand_over`) until it starts or fails, and when.
+    self._handed: dict[str, np.ndarray] | None = None
+    self._handed_at = 0.0
     self._lock = threading.Lock()
     self.clear()
 
@@ -75,13 +84,52 @@ class UpdatedRows:
     return self._since
 
   def clear(self) -> None:
-    """Forgets every row (call after a save has taken its snapshot)."""
+    """Forgets every row."""
     with self._lock:
-      for name in self._sizes:
-        self._merged[name] = np.zeros((0,), np.int64)
-        self._pending[name] = []
-        self._pending_count[name] = 0
+      self._reset()
+      self._handed = None
       self._since = time.monotonic()
+
+  def _reset(self) -> None:
+    for name in self._sizes:
+      self._merged[name] = np.zeros((0,), np.int64)
+      self._pending[name] = []
+      self._pending_count[name] = 0
+
+  def hand_over(self) -> dict[str, np.ndarray]:
+    """Takes every row for a save, in one locked step; see `forget_handed`, `take_back`.
+
+    Rows added from now on are kept apart: they are the next save's. The
+    rows taken are still reported by `rows` until the save settles them.
+    """
+    with self._lock:
+      taken = self._all_rows()
+      self._reset()
+      self._handed, self._handed_at = taken, time.monotonic()
+      return dict(taken)
+
+  def handed(self) -> dict[str, np.ndarray]:
+    """The rows the pending `hand_over` took (none if there is none)."""
+    with self._lock:
+      empty = np.zeros((0,), np.int64)
+      return {name: (empty if self._handed is None else self._handed[name])
+              for name in self._sizes}
+
+  def forget_handed(self) -> None:
+    """The save that took the rows started: forgets them, keeps those added since."""
+    with self._lock:
+      if self._handed is not None:
+        self._handed = None
+        self._since = self._handed_at
+
+  def take_back(self) -> None:
+    """The save that took the rows did not start or failed: they are tracked again."""
+    with self._lock:
+      if self._handed is not None:
+        for name, rows in self._handed.items():
+          self._pending[name].append(rows)
+          self._pending_count[name] += rows.size
+        self._handed = None
 
   def add_batch(self, batch: Mapping[str, StackBatch]) -> None:
     """Records the rows a preprocessed batch (stack name -> StackBatch) updates."""
@@ -105,16 +153,21 @@ class UpdatedRows:
   def rows(self) -> dict[str, np.ndarray]:
     """Stack name -> its updated global rows, sorted and distinct (int64)."""
     with self._lock:
-      for name in self._sizes:
-        self._merge(name)
-      return dict(self._merged)  # Merged arrays are replaced, never changed in place.
+      return self._all_rows()
 
   def count(self) -> int:
     """The number of distinct rows updated, over all stacks."""
     with self._lock:
-      for name in self._sizes:
-        self._merge(name)
-      return sum(rows.size for rows in self._merged.values())
+      return sum(rows.size for rows in self._all_rows().values())
+
+  def _all_rows(self) -> dict[str, np.ndarray]:
+    """Merged, pending and handed rows, per stack (under the lock)."""
+    for name in self._sizes:
+      self._merge(name)
+    if self._handed is None:
+      return dict(self._merged)  # Merged arrays are replaced, never changed in place.
+    return {name: sorted_unique(np.concatenate([self._merged[name], self._handed[name]]))
+            for name in self._sizes}
 
   def share(self) -> float:
     """The updated rows as a share of all stacked rows (0 to 1)."""

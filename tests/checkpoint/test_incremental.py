@@ -638,3 +638,54 @@ def test_a_killed_compaction_is_cleaned_up_without_a_warning_calling_it_foreign(
       assert mngr.all_steps() == [3]
   assert sorted(os.listdir(tmp_path)) == ["3"]
   _assert_state(_restored_tables(tmp_path, 3), model)
+
+
+def test_a_save_takes_the_trackers_rows_at_once_and_keeps_those_added_meanwhile():
+  """hand_over, then rows added (another thread's), then the save settles:
+  only the rows it took are forgotten; if it fails, they are tracked again."""
+  layout = make_model(SPECS, seed=25).layout([["a", "b"], ["c"]], 1, 1)
+  tracker = ck.UpdatedRows(layout)
+  tracker.add("c", [1, 5])
+  assert tracker.hand_over()["c"].tolist() == [1, 5]
+  tracker.add("c", [5, 7])
+  assert tracker.rows()["c"].tolist() == [1, 5, 7]  # the taken rows still count until settled
+  assert tracker.handed()["c"].tolist() == [1, 5]
+  tracker.forget_handed()
+  assert tracker.rows()["c"].tolist() == [5, 7]  # 5 was updated again after the hand-over
+  tracker.hand_over()
+  tracker.add("c", [9])
+  tracker.take_back()
+  assert tracker.rows()["c"].tolist() == [5, 7, 9]
+  assert tracker.handed()["c"].tolist() == []
+
+
+def test_rows_added_while_a_delta_is_saved_reach_the_next_delta(tmp_path, monkeypatch):
+  """The save cleared the tracker once Orbax's save returned: rows another
+  thread added meanwhile (a batch applied during the save) were lost, and the
+  next delta kept their old values."""
+  model = make_model(SPECS, seed=26)
+  layout = model.layout([["a", "b"], ["c"]], 1, 1)
+  rng, tracker = np.random.default_rng(27), ck.UpdatedRows(layout)
+  policy = ck.IncrementalPolicy(max_delta_share=1.0)
+  with ck.CheckpointManager(tmp_path, keep_latest=10, incremental=policy) as mngr:
+    _save(mngr, 0, model, layout, tracker)
+    touch_rows(model, layout, tracker, rng, 0.1)
+    tables, slots = model.state(layout)  # step 1's state, as its save snapshots it
+    saved = {name: table.copy() for name, table in model.logical.items()}
+    orbax_save = mngr._manager.save
+
+    def save_while_training_goes_on(*args, **kwargs):
+      started = orbax_save(*args, **kwargs)
+      touch_rows(model, layout, tracker, rng, 0.1)  # applied during the save
+      return started
+
+    monkeypatch.setattr(mngr._manager, "save", save_while_training_goes_on)
+    assert mngr.save(1, ck.EmbeddingSave(tables, slots, layout, model.slot_specs(layout)),
+                     updated_rows=tracker, force=True)
+    monkeypatch.undo()
+    mngr.wait_until_finished()
+    _save(mngr, 2, model, layout, tracker)
+  assert ck.inspect(tmp_path / "2")["embedding"]["chain"][-1]["kind"] == "delta"
+  _assert_state(_restored_tables(tmp_path, 2), model)
+  for name, table in _restored_tables(tmp_path, 1).tables.items():
+    assert_same_bits(table, saved[name], err_msg=name)
