@@ -605,8 +605,8 @@ class Trainer:
     """A batch to take shapes from when the stream has nothing left."""
     if self._loop is not None and self._loop.in_flight is not None:
       return self._loop.in_flight.batch
-    if self._steps is not None:
-      return None
+    if self._steps is not None and self._resume_step() is None:
+      return None  # Built, and no newer checkpoint to restore: nothing to start.
     iterator = iter(train_data)
     if iterator is train_data:
       return None
@@ -713,7 +713,7 @@ class Trainer:
       for batch in batches:
         check_labels_fit_predictions(self._prediction_shapes, batch.labels)
         preds, metrics = self._steps.evaluate(self.state, batch)
-        predictions.append(_host_tree(preds))
+        predictions.append(_per_sample(_host_tree(preds), self._batch_size(), "evaluate"))
         labels.append(_host_tree(batch.labels))
         per_batch.append({name: float(value) for name, value in metrics.items()})
         sizes.append(jax.tree.leaves(predictions[-1])[0].shape[0])
@@ -730,7 +730,8 @@ class Trainer:
     checkpoint is restored first, as in evaluate.
     """
     with contextlib.closing(self._prepared(data, "prediction")) as batches:
-      predictions = [_host_tree(self._steps.predict(self.state, batch)) for batch in batches]
+      predictions = [_per_sample(_host_tree(self._steps.predict(self.state, batch)),
+                                 self._batch_size(), "predict") for batch in batches]
     if not predictions:
       raise ValueError("predict got no batches.")
     return jax.tree.map(lambda *leaves: np.concatenate(leaves), *predictions)
@@ -845,6 +846,20 @@ def _checked_callbacks(callbacks: Sequence[Callback]) -> tuple[Callback, ...]:
           f" {missing}."
       )
   return tuple(callbacks)
+
+
+def _per_sample(predictions: Any, batch_size: int, what: str) -> Any:
+  """`predictions` when every leaf has the batch's samples as its leading dimension."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(predictions):
+    shape = np.shape(leaf)
+    if not shape or shape[0] != batch_size:
+      raise ValueError(
+          f"{what} needs predictions with one row per sample: the model's output"
+          f"{jax.tree_util.keystr(path)} has shape {shape}, not a leading dimension of the"
+          f" batch's {batch_size} samples. Return per-sample outputs from the model (a"
+          " scalar such as a temperature can live in its parameters instead)."
+      )
+  return predictions
 
 
 def _warn_data_ended_elsewhere() -> None:

@@ -219,3 +219,26 @@ def test_an_aux_metric_named_auc_beside_the_configured_auc_is_refused():
   trainer = make_trainer(loss=loss_with_auc)
   with pytest.raises(ValueError, match="aux metric 'auc'"):
     trainer.evaluate(batches)
+
+
+class _WithTemperature(nn.Module):
+  """A per-sample logit and a scalar beside it."""
+
+  @nn.compact
+  def __call__(self, activations, dense):
+    x = jnp.concatenate([activations["fa"], activations["fb"], activations["fa2"], dense], axis=1)
+    return {"logit": nn.Dense(1)(x)[:, 0], "temperature": jnp.float32(2.0)}
+
+
+def test_evaluate_and_predict_name_a_prediction_without_a_row_per_sample():
+  """A scalar leaf failed with IndexError (evaluate) or numpy's concatenate error (predict)."""
+  trainer = Trainer(_WithTemperature(), make_specs(SGD(0.1)),
+                    lambda predictions, labels: jnp.mean((predictions["logit"] - labels) ** 2),
+                    optax.sgd(0.1), mesh=mesh_of(1), progress="off", padding_id=-1,
+                    eval_metrics=())
+  batches = make_batches(2, seed=51)
+  message = r"needs predictions with one row per sample: the model's output\['temperature'\]"
+  with pytest.raises(ValueError, match="evaluate " + message):
+    trainer.evaluate(batches)
+  with pytest.raises(ValueError, match="predict " + message):
+    trainer.predict(batches)

@@ -584,3 +584,19 @@ def test_on_save_runs_once_per_checkpoint(tmp_path, pipelining):
   trainer.fit(make_batches(4, seed=93), callbacks=[saves])
   assert saves.steps == [2, 4]
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4"]
+
+
+def test_fit_after_evaluate_restores_a_newer_checkpoint_at_the_end_of_the_data(tmp_path):
+  """evaluate had built the steps: with no batch left, fit returned without
+  restoring the newer checkpoint another Trainer saved, and kept step 4."""
+  batches, held_out = make_batches(8, seed=96), make_batches(2, seed=97)
+  first = make_trainer(tmp_path, False)
+  first.fit(batches, num_steps=4)
+  second = Trainer(LinearHead(), make_specs(Adagrad(0.3)), mse, optax.adam(0.05),
+                   mesh=mesh_of(1), pipelining=False, progress="off", padding_id=-1,
+                   workdir=tmp_path, save_every=1, eval_metrics=())
+  second.evaluate(held_out)  # adopts step 4's train state
+  first.fit(batches)  # saves step 8, the end of the data
+  history = second.fit(batches)
+  assert history.resumed_from == 8 and history.steps == [] and int(second.state.step) == 8
+  assert_same_run(second, first)
