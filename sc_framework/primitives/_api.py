@@ -9,6 +9,7 @@ from sc_framework.primitives import _sharded
 from sc_framework.primitives._checks import (
     check_batch,
     check_names,
+    check_stacked,
     check_step,
     check_tables,
     check_variables,
@@ -84,24 +85,9 @@ def stacked_lookup(
 def split_stacked_activations(plan: EmbeddingPlan,
                               stacked: dict[str, jax.Array]) -> dict[str, jax.Array]:
   """`stacked_lookup`'s result -> feature name -> activations (as `embedding_lookup`)."""
-  _check_stacked(plan, stacked, "stacked activations",
+  check_stacked(plan, stacked, "stacked activations",
                  "Pass stacked_lookup's result for this plan.")
   return _shaped(plan, _sharded.split_stacks(plan, stacked))
-
-
-def _check_stacked(plan: EmbeddingPlan, stacked: dict[str, jax.Array], what: str,
-                   hint: str) -> None:
-  """`stacked` holds one [G * B_s, D'] array per stack of the plan (`stacked_lookup`'s form)."""
-  check_names(what, stacked, plan.layout.stack_names, "stacks", hint)
-  for stack in plan.layout.stacks:
-    shape = tuple(getattr(stacked[stack.name], "shape", ()))
-    expected = (stack.total_batch_size, stack.padded_embedding_dim)
-    if shape != expected:
-      raise ValueError(
-          f"{what}[{stack.name!r}] has shape {shape} but stack {stack.name!r} holds"
-          f" {expected}: the samples of its features {[f.name for f in stack.features]} over"
-          f" the batch, {stack.padded_embedding_dim} columns. {hint}"
-      )
 
 
 def stack_activations(plan: EmbeddingPlan,
@@ -212,7 +198,7 @@ def apply_stacked_gradients(
   check_variables(plan, variables)
   check_batch(plan, batch)
   check_step(step)
-  _check_stacked(plan, stacked_grads, "stacked_grads",
+  check_stacked(plan, stacked_grads, "stacked_grads",
                  "Pass the gradient of the loss with respect to stacked_lookup's result.")
   chosen = get_backend(backend, plan)
   if chosen.apply_stacked_gradients is not None:

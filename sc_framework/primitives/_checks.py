@@ -9,6 +9,7 @@ Expected shapes (G devices, N = G * S shards, V_s rows and D' columns of a
 stack, see sc_framework/stacking/_layout.py):
   table         [V_s, D']
   slot          [V_s, D'] (SlotSpec.width None) or [V_s, width]
+  stacked       [G * B_s, D'] per stack (stacked activations or their gradients)
   StackBatch    unique_rows [G, N, U]; entry_samples, entry_unique_index,
                 entry_gains [G, E] (U and E: the batch's capacities), and its
                 signature (static metadata) equal to the plan's stack's
@@ -83,6 +84,21 @@ def check_variables(plan: EmbeddingPlan, variables: Any) -> None:
             f" slot {name!r} of stack {stack.name!r} is {expected}. The slots belong to another"
             " layout or optimizer: restore or convert them into this plan's layout."
         )
+
+
+def check_stacked(plan: EmbeddingPlan, stacked: dict[str, jax.Array], what: str,
+                   hint: str) -> None:
+  """`stacked` holds one [G * B_s, D'] array per stack of the plan (`stacked_lookup`'s form)."""
+  check_names(what, stacked, plan.layout.stack_names, "stacks", hint)
+  for stack in plan.layout.stacks:
+    shape = tuple(getattr(stacked[stack.name], "shape", ()))
+    expected = (stack.total_batch_size, stack.padded_embedding_dim)
+    if shape != expected:
+      raise ValueError(
+          f"{what}[{stack.name!r}] has shape {shape} but stack {stack.name!r} holds"
+          f" {expected}: the samples of its features {[f.name for f in stack.features]} over"
+          f" the batch, {stack.padded_embedding_dim} columns. {hint}"
+      )
 
 
 def check_step(step: Any) -> None:
