@@ -63,6 +63,7 @@ from sc_framework.primitives import (
     DEFAULT_AXIS_NAME,
     EmbeddingPlan,
     default_mesh,
+    embedding_variable_shapes,
     get_backend,
     init_embedding_variables,
     mesh_axis_size,
@@ -295,12 +296,16 @@ class Trainer:
 
   # --- state ----------------------------------------------------------------------
 
+  def _keys(self) -> tuple[jax.Array, jax.Array]:
+    """The PRNG keys of the initial tables and of the dense model, from the seed."""
+    embedding_key, dense_key = jax.random.split(jax.random.key(self.config.seed))
+    return embedding_key, dense_key
+
   def _build(self, example: DeviceBatch) -> None:
-    """Initialises the compiled steps and (absent a restore) the state."""
+    """Initialises the dense model and the compiled steps (the state: `_ensure_state`)."""
     if self._steps is not None:
       return
-    key = jax.random.key(self.config.seed)
-    embedding_key, dense_key = jax.random.split(key)
+    _, dense_key = self._keys()
     activations = self._features.activations_for_model({
         f.name: jnp.zeros(f.output_shape, self.config.table_dtype)
         for f in self.plan.feature_specs
@@ -319,16 +324,44 @@ class Trainer:
     self._steps = StepFunctions(
         self.plan, apply, self._loss_fn, self._dense_optimizer, backend=self.backend
     ).compiled()
+
+  def _ensure_state(self) -> None:
+    """The initial state, unless one was set or restored (after `_build`)."""
     if self.state is None:
-      # Place everything as the compiled steps return it, so the first and
-      # later steps share one compilation.
-      replicated = NamedSharding(self.plan.mesh, PartitionSpec())
-      params = jax.device_put(jax.device_get(self._dense_model.params), replicated)
-      embeddings = init_embedding_variables(self.plan, embedding_key,
-                                            dtype=self.config.table_dtype)
-      opt_state = jax.jit(self._dense_optimizer.init, out_shardings=replicated)(params)
-      step = jax.device_put(np.zeros((), np.int32), replicated)
-      self.state = TrainState(params, opt_state, embeddings, step)
+      self.state = self._initial_state()
+
+  def _initial_state(self) -> TrainState:
+    """Fresh tables and the dense model's initial parameters, at step 0.
+
+    Everything is placed as the compiled steps return it, so the first and
+    later steps share one compilation.
+    """
+    replicated = NamedSharding(self.plan.mesh, PartitionSpec())
+    params = jax.device_put(jax.device_get(self._dense_model.params), replicated)
+    embeddings = init_embedding_variables(self.plan, self._keys()[0],
+                                          dtype=self.config.table_dtype)
+    opt_state = jax.jit(self._dense_optimizer.init, out_shardings=replicated)(params)
+    step = jax.device_put(np.zeros((), np.int32), replicated)
+    return TrainState(params, opt_state, embeddings, step)
+
+  def _state_template(self) -> TrainState:
+    """The state's shapes, dtypes and shardings (`_initial_state`'s), computing nothing.
+
+    A checkpoint restores into it: a resumed Trainer never initialises the
+    tables it replaces (compiling the per-row initializer of large tables
+    takes seconds).
+    """
+    replicated = NamedSharding(self.plan.mesh, PartitionSpec())
+
+    def placed(tree):
+      return jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=replicated), tree)
+
+    params = placed(self._dense_model.params)
+    return TrainState(
+        params, placed(jax.eval_shape(self._dense_optimizer.init, params)),
+        embedding_variable_shapes(self.plan, dtype=self.config.table_dtype),
+        jax.ShapeDtypeStruct((), np.int32, sharding=replicated))
 
   def _restore(self, example: DeviceBatch, history: History) -> None:
     """Restores the latest checkpoint when it is newer than the state (with a workdir)."""
@@ -341,7 +374,8 @@ class Trainer:
          for f in self.plan.feature_specs},
         example,
     )
-    train, saved, data = self._checkpoints.restore(step, self.state, template)
+    train, saved, data = self._checkpoints.restore(
+        step, self._state_template() if self.state is None else self.state, template)
     in_flight, ids = None, None
     if isinstance(saved, SavedInFlight):
       # Preprocessed again for this layout, from this process's samples.
@@ -373,6 +407,7 @@ class Trainer:
       The TrainState (also `trainer.state`).
     """
     self._build(self.prepare(example_batch))
+    self._ensure_state()
     return self.state
 
   def latest_checkpoint_step(self) -> int | None:
@@ -545,6 +580,7 @@ class Trainer:
     self._build(example)
     check_labels_fit_predictions(self._prediction_shapes, example.labels)
     self._restore(example, history)
+    self._ensure_state()
     return True
 
   def _report_skipped(self, history: History) -> None:
@@ -639,9 +675,10 @@ class Trainer:
     same checkpoint with its in-flight batch and data position.
     """
     step = None if self._checkpoints is None else self._checkpoints.latest_step()
-    if step is None or int(self.state.step) >= step:
+    if step is None or (self.state is not None and int(self.state.step) >= step):
       return
-    self.state = self._checkpoints.restore_state(step, self.state)
+    self.state = self._checkpoints.restore_state(
+        step, self._state_template() if self.state is None else self.state)
     self._state_only_from = step
 
   def _next(self, prefetcher: Prefetcher) -> Prepared | None:
@@ -684,6 +721,7 @@ class Trainer:
         if first:
           self._build(prepared.batch)
           self._adopt_newer_checkpoint()
+          self._ensure_state()
           first = False
         yield prepared.batch
 

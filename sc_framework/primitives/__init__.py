@@ -26,7 +26,12 @@ from sc_framework.primitives._plan import (
     process_major_devices,
 )
 from sc_framework.primitives._row_ops import cpu_kernels_build
-from sc_framework.primitives._state import EmbeddingVariables, init_embedding_variables, table_seed
+from sc_framework.primitives._state import (
+    EmbeddingVariables,
+    embedding_variable_shapes,
+    init_embedding_variables,
+    table_seed,
+)
 
 __all__ = [
     "EmbeddingPlan",
@@ -36,6 +41,7 @@ __all__ = [
     "default_mesh",
     "mesh_axis_size",
     "init_embedding_variables",
+    "embedding_variable_shapes",
     "table_seed",
     "embedding_lookup",
     "stacked_lookup",

@@ -101,6 +101,35 @@ def _create(plan: EmbeddingPlan, key: jax.Array, dtype) -> EmbeddingVariables:
 _create_jit = jax.jit(_create, static_argnums=(0, 2))
 
 
+def embedding_variable_shapes(plan: EmbeddingPlan, *, dtype=jnp.float32) -> EmbeddingVariables:
+  """The shapes, dtypes and shardings `init_embedding_variables` gives, without creating them.
+
+  A template to restore a checkpoint into (a resumed job never computes the
+  initial rows it would replace): every stack's table is [V_s, D'] of `dtype`
+  and each slot [V_s, D'] or [V_s, w] float32, all sharded
+  PartitionSpec(axis, None).
+
+  Args:
+    plan: the embedding plan.
+    dtype: the tables' dtype (slots are float32).
+
+  Returns:
+    EmbeddingVariables of jax.ShapeDtypeStruct.
+  """
+  sharding = plan.row_sharding()
+  tables, slots = {}, {}
+  for stack in plan.layout.stacks:
+    tables[stack.name] = jax.ShapeDtypeStruct(
+        (stack.vocabulary_size, stack.padded_embedding_dim), jnp.dtype(dtype), sharding=sharding)
+    slots[stack.name] = {
+        slot.name: jax.ShapeDtypeStruct(
+            (stack.vocabulary_size, slot.stacked_width(stack.padded_embedding_dim)), jnp.float32,
+            sharding=sharding)
+        for slot in plan.optimizer(stack.name).slots()
+    }
+  return EmbeddingVariables(tables, slots)
+
+
 def init_embedding_variables(
     plan: EmbeddingPlan, key: jax.Array, *, dtype=jnp.float32
 ) -> EmbeddingVariables:

@@ -440,6 +440,29 @@ def test_a_new_trainer_evaluates_the_trained_workdir_and_fit_still_resumes(tmp_p
   assert_same_run(second, reference)
 
 
+@pytest.mark.parametrize("use", ["fit", "evaluate"])
+def test_a_resumed_trainer_restores_without_initialising_the_tables(tmp_path, monkeypatch, use):
+  """The checkpoint restores into the state's shapes: the initial tables a restore would
+  replace are never computed, and the run goes on as one run."""
+  batches = make_batches(7, seed=86)
+  make_trainer(tmp_path, True).fit(batches, num_steps=4)
+
+  def refuse(*args, **kwargs):
+    raise AssertionError("the tables were initialised although a checkpoint is restored")
+
+  monkeypatch.setattr("pipelining._trainer.init_embedding_variables", refuse)
+  resumed = make_trainer(tmp_path, True)
+  if use == "evaluate":
+    resumed.evaluate([{**b, "labels": (b["labels"] > 0).astype(np.float32)}
+                      for b in batches[:2]])
+    assert int(resumed.state.step) == 4
+  assert resumed.fit(batches).resumed_from == 4
+  monkeypatch.undo()
+  reference = make_trainer(None, True)
+  reference.fit(batches)
+  assert_same_run(resumed, reference)
+
+
 def _with_bad_labels(batch):
   return {**batch, "labels": batch["labels"][:3]}  # 3 labels for 8 samples
 

@@ -47,6 +47,7 @@ from sc_framework.primitives import (
     apply_stacked_gradients,
     available_backends,
     embedding_lookup,
+    embedding_variable_shapes,
     get_backend,
     init_embedding_variables,
     split_stacked_activations,
@@ -914,6 +915,24 @@ def test_eager_calls_compile_one_program_per_stack():
       variables, batch, grads)
   jax.tree.map(lambda a, b: assert_close(a, b, terms=_sum_terms(features)),
                (eager_activations, eager_update), (jitted_activations, jitted_update))
+
+
+@pytest.mark.parametrize("geometry", ["1x1", "8x2"])
+@pytest.mark.parametrize("opt_name", ["sgd", "rowwise_adagrad", "ftrl", "custom"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_variable_shapes_are_those_of_the_initialised_variables(opt_name, geometry, dtype):
+  """The restore template describes exactly what initialisation creates: every table and
+  slot, with its shape, dtype and sharding."""
+  plan = _plan(_features(OPTIMIZERS[opt_name].spec, COMBINERS["sum-mean"]), *GEOMETRIES[geometry])
+  created = init_embedding_variables(plan, jax.random.key(3), dtype=dtype)
+  shapes = embedding_variable_shapes(plan, dtype=dtype)
+  assert jax.tree.structure(shapes) == jax.tree.structure(created)
+
+  def same(template, array):
+    assert (template.shape, template.dtype) == (array.shape, array.dtype)
+    assert template.sharding.is_equivalent_to(array.sharding, array.ndim)
+
+  jax.tree.map(same, shapes, created)
 
 
 def test_a_plan_refuses_a_layout_that_contradicts_its_specs():
