@@ -40,7 +40,7 @@ from checkpoint._errors import (
     IncompatibleCheckpointError,
     NotACheckpointError,
 )
-from checkpoint._format import LAYOUT_FILE, MANIFEST_FILE, Manifest
+from checkpoint._format import LAYOUT_FILE, MANIFEST_FILE, Manifest, read_save_id
 from checkpoint._reader import CheckpointReader
 from sc_framework.stacking import EmbeddingLayout, global_to_logical_rows, logical_to_global_rows
 
@@ -64,10 +64,30 @@ def read_item_manifest(item: epath.Path) -> dict:
 
 def delta_manifest(item: epath.Path) -> DeltaManifest | None:
   """The delta manifest of an item, or None for a full item."""
-  data = read_item_manifest(item)
+  return _delta_manifest(item, read_item_manifest(item))
+
+
+def _delta_manifest(item: epath.Path, data: dict) -> DeltaManifest | None:
   if not is_delta_manifest(data):
     return None
   return DeltaManifest.from_dict(data, str(item / MANIFEST_FILE))
+
+
+def save_id_of(item: epath.Path) -> str | None:
+  """The "save_id" of an item's manifest (full or delta), or None where it has none.
+
+  Raises:
+    BrokenChainError: the manifest cannot be read.
+    NotACheckpointError: its save_id is malformed.
+  """
+  return _save_id(item, read_item_manifest(item))
+
+
+def _save_id(item: epath.Path, data: dict) -> str | None:
+  try:
+    return read_save_id(data)
+  except ValueError as error:
+    raise NotACheckpointError(f"{item / MANIFEST_FILE}: malformed manifest ({error}).") from None
 
 
 def step_item(item: epath.Path, step: int) -> epath.Path:
@@ -80,15 +100,16 @@ def chain_problems(item: epath.PathLike, depth: _integrity.Depth) -> list[_integ
 
   Every earlier link (base and earlier deltas, which a restore or conversion
   of `item` reads too) is checked against the integrity manifest of its own
-  step at `depth`. A delta names its parent by step number only, so an edited
-  link is caught here: `walk_chain` follows it, and its step's manifest no
-  longer matches. Empty for a full item (a chain of one).
+  step at `depth`. An edited link is caught here: its step's manifest no
+  longer matches. (Whether each parent still holds the save its delta was
+  written on is checked by the readers and `check_chain_states`, after
+  this.) Empty for a full item (a chain of one).
 
   Raises:
     BrokenChainError: a link is missing or unreadable (from `walk_chain`).
   """
   problems: list[_integrity.Problem] = []
-  for link, _ in walk_chain(item)[:-1]:
+  for link, _ in walk_chain(item, check_ids=False)[:-1]:
     problems.extend(_integrity.check_step(link.parent, depth=depth, items=[link.name]))
   return problems
 
@@ -129,14 +150,20 @@ def verify_item(item: epath.PathLike) -> None:
       f"the delta chain of checkpoint step {step.name} (its earlier steps; {step})")
 
 
-def walk_chain(item: epath.PathLike) -> list[tuple[epath.Path, DeltaManifest | None]]:
+def walk_chain(item: epath.PathLike, *,
+               check_ids: bool = True) -> list[tuple[epath.Path, DeltaManifest | None]]:
   """The chain of an item, base first: (item directory, its delta manifest or None).
 
-  Reads manifests only. A full item is a chain of one.
+  Reads manifests only. A full item is a chain of one. A delta that records
+  its parent's save id (`DeltaManifest.parent_id`) needs the parent step to
+  hold that save: a step replaced by another state of the same number (by
+  hand, or copied from another run) is refused, not read as its base
+  (`check_ids=False` skips that, to name a damaged link or another dtype
+  first).
 
   Raises:
-    BrokenChainError: naming the missing or unreadable link and the step
-      that needs it.
+    BrokenChainError: naming the missing, unreadable or replaced link and
+      the step that needs it.
   """
   item = epath.Path(item)
   links: list[tuple[epath.Path, DeltaManifest | None]] = []
@@ -153,7 +180,10 @@ def walk_chain(item: epath.PathLike) -> list[tuple[epath.Path, DeltaManifest | N
           " (base first)."
           " Restore an older complete step, or a full one."
       )
-    manifest = delta_manifest(current)
+    data = read_item_manifest(current)
+    if needed_by is not None and check_ids:
+      _check_parent_id(current, _save_id(current, data), links[-1][1], needed_by)
+    manifest = _delta_manifest(current, data)
     links.append((current, manifest))
     if manifest is None:
       return links[::-1]
@@ -167,6 +197,22 @@ def walk_chain(item: epath.PathLike) -> list[tuple[epath.Path, DeltaManifest | N
           " not an earlier step; the chain is damaged."
       )
     current, needed_by = parent, current
+
+
+def _check_parent_id(parent: epath.Path, found: str | None, delta: DeltaManifest,
+                     delta_item: epath.Path) -> None:
+  """Raises unless `parent` holds the save `delta` was written on (when it recorded one)."""
+  if delta.parent_id is None or delta.parent_id == found:
+    return
+  holds = "a save without an id" if found is None else f"save {found}"
+  raise BrokenChainError(
+      f"delta step {delta_item.parent.name} was saved on top of save {delta.parent_id} of"
+      f" step {parent.parent.name}, but {parent} holds {holds}: step {parent.parent.name} was"
+      " replaced after the delta was written (copied from another run, or saved again), or"
+      f" the delta's manifest was edited. Its rows would go on top of another state. Put the"
+      f" original step {parent.parent.name} back, or restore step {parent.parent.name} or"
+      " another complete step instead."
+  )
 
 
 def table_states(
@@ -258,15 +304,18 @@ def check_deltas_keep_base(base_directory: epath.Path, base_states: dict,
 def check_chain_states(item: epath.PathLike) -> None:
   """Raises unless the deltas of an item's chain keep the base's tables (reads manifests only).
 
+  Then, that each delta's parent still holds the save it was written on.
+
   Raises:
-    BrokenChainError: a link is missing or unreadable.
+    BrokenChainError: a link is missing, unreadable or replaced.
     IncompatibleCheckpointError: as `check_deltas_keep_base`.
     CorruptCheckpointError: a delta's layout or part markers are missing.
   """
-  links = walk_chain(item)
+  links = walk_chain(item, check_ids=False)
   if len(links) > 1:
     check_deltas_keep_base(links[0][0], _link_states(*links[0]),
                            [DeltaItem(path, manifest) for path, manifest in links[1:]])
+    walk_chain(item)
 
 
 def dependent_deltas(step_dir: epath.PathLike, item_name: str) -> list[list[DeltaItem]]:
@@ -373,19 +422,20 @@ class ChainReader(CheckpointReader):
     item: a delta item directory (root/<step>/<item>).
 
   Raises:
-    BrokenChainError: a link of the chain is missing or damaged.
+    BrokenChainError: a link of the chain is missing, damaged or replaced.
     IncompatibleCheckpointError: a delta stores other tables, slots or
       dtypes than its base.
   """
 
   def __init__(self, item: epath.PathLike, *, chunk_cache: ChunkCache | None = None):
-    links = walk_chain(item)
+    links = walk_chain(item, check_ids=False)
     super().__init__(links[0][0], chunk_cache=chunk_cache)
     self.item = epath.Path(item)
     self.base_directory = links[0][0]
     self.deltas = [DeltaItem(path, manifest) for path, manifest in links[1:]]
     self._optimizer_names = check_deltas_keep_base(
         self.base_directory, table_states(self.manifest, self.layout), self.deltas)
+    walk_chain(item)  # Every parent still holds the save its delta was written on.
     self._sources: list[tuple[DeltaItem, int, str]] = []  # (delta, part, its stack)
     self._by_table = self._index()
     self._by_group: dict[str, _Overlay] = {}

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import json
 import os
 import socket
@@ -68,12 +69,13 @@ from etils import epath
 
 from checkpoint import _direct, _integrity, _optimizers, _save, _storage
 from checkpoint._direct import ChunkCache
-from checkpoint._format import MANIFEST_FILE, Manifest, array_dir, numpy_dtype
+from checkpoint._format import MANIFEST_FILE, Manifest, array_dir, new_save_id, numpy_dtype
 from checkpoint._assembly import assemble_stacked, build_block
 from checkpoint._chain import (
     check_deltas_keep_base,
     dependent_deltas,
     open_reader,
+    save_id_of,
     table_states,
 )
 from checkpoint._errors import IncompatibleCheckpointError, SlotMismatchError
@@ -209,6 +211,7 @@ def convert(
   storage = storage or reader.manifest.storage
   if item is not None and item != src:
     _check_dependent_deltas(dst, item.name, _converted_states(reader, table_dtype))
+  save_id = _converted_save_id(reader, src if item is None else item, table_dtype)
   tmp = _fresh_temporary_directory(dst)
   try:
     if item is not None and item != src:
@@ -219,11 +222,11 @@ def convert(
     else:
       out = tmp
     if target == "unstacked":
-      _write_unstacked(reader, out, storage, block_bytes, cache.max_bytes, progress, table_dtype)
+      _write_unstacked(reader, out, storage, block_bytes, cache.max_bytes, progress, table_dtype,
+                       save_id)
     else:
-      _write_stacked(
-          reader, out, target, storage, block_bytes, cache.max_bytes, progress, table_dtype
-      )
+      _write_stacked(reader, out, target, storage, block_bytes, cache.max_bytes, progress,
+                     table_dtype, save_id)
     (tmp / _IN_PROGRESS_MARKER).unlink()
     if out != tmp:
       _integrity.write_manifest(tmp)  # The converted step is complete.
@@ -245,6 +248,19 @@ def _converted_states(reader, table_dtype: np.dtype | None) -> dict:
     return states
   return {table: ({**kept, "dtype": table_dtype.name}, optimizer)
           for table, (kept, optimizer) in states.items()}
+
+
+def _converted_save_id(reader, source: epath.Path, table_dtype: np.dtype | None) -> str:
+  """The output's save id: the source's while the values stay, else a new one.
+
+  Another layout, device count or stacking holds the same state, so deltas
+  saved on top of the source still read the output as their parent (an
+  in-place conversion of a chain's base, a compaction). Another table dtype
+  rounds the values: a new state.
+  """
+  same = _converted_states(reader, table_dtype) == table_states(reader.manifest, reader.layout)
+  kept = save_id_of(source) if same else None
+  return new_save_id() if kept is None else kept
 
 
 def _check_dependent_deltas(dst: epath.Path, item_name: str, states: dict) -> None:
@@ -678,7 +694,7 @@ def _cache_bytes(reader, tables, slot: str | None, span_bytes: int, limit: int) 
 
 
 def _write_stacked(
-    reader, out, layout, storage, block_bytes, cache_limit, progress, table_dtype=None
+    reader, out, layout, storage, block_bytes, cache_limit, progress, table_dtype, save_id
 ) -> None:
   assemblies = assemble_stacked(reader, layout)
   for assembly in assemblies.values():
@@ -689,7 +705,8 @@ def _write_stacked(
     dtypes.update({(name, spec.name): assembly.slot_dtypes[spec.name] for spec in assembly.slot_specs})
   slot_specs = {name: assembly.slot_specs for name, assembly in assemblies.items()}
   optimizers = {name: assembly.optimizer for name, assembly in assemblies.items()}
-  manifest = _save.stacked_manifest(layout, dtypes, slot_specs, storage, optimizers)
+  manifest = dataclasses.replace(
+      _save.stacked_manifest(layout, dtypes, slot_specs, storage, optimizers), save_id=save_id)
   writer = _Writer(out, manifest, progress, block_bytes // 2)
 
   def blocks():
@@ -729,7 +746,7 @@ def _write_stacked(
 
 
 def _write_unstacked(
-    reader, out, storage, block_bytes, cache_limit, progress, table_dtype=None
+    reader, out, storage, block_bytes, cache_limit, progress, table_dtype, save_id
 ) -> None:
   tables = {name: reader.table_shape(name) for name in reader.table_names}
   dtypes, slot_specs = {}, {}
@@ -738,7 +755,8 @@ def _write_unstacked(
     slot_specs[name] = reader.slot_specs(name)
     dtypes[(name, None)] = reader.dtype(name) if table_dtype is None else table_dtype
     dtypes.update({(name, spec.name): reader.dtype(name, spec.name) for spec in slot_specs[name]})
-  manifest = _save.unstacked_manifest(tables, dtypes, slot_specs, storage, optimizers)
+  manifest = dataclasses.replace(
+      _save.unstacked_manifest(tables, dtypes, slot_specs, storage, optimizers), save_id=save_id)
   writer = _Writer(out, manifest, progress, block_bytes // 2)
 
   def blocks():

@@ -21,7 +21,9 @@ stacks, so a reader maps them to (table, logical row) with
 The manifest names the previous save (`parent_step`, whose state this delta
 updates) and the full save the chain starts from (`base_step`); it also holds
 the full manifest of the state (`state`: stacks, slots, dtypes, storage),
-which is what a restore of the chain checks the base against.
+which is what a restore of the chain checks the base against. Its
+`save_id` identifies this save and `parent_id` the parent's (`_format`'s
+"save_id"; both absent from deltas written before they existed).
 """
 
 from __future__ import annotations
@@ -39,7 +41,14 @@ from etils import epath
 
 from checkpoint import _save, _storage
 from checkpoint._errors import CorruptCheckpointError, NotACheckpointError
-from checkpoint._format import LAYOUT_FILE, MANIFEST_FILE, Manifest, group_dir
+from checkpoint._format import (
+    LAYOUT_FILE,
+    MANIFEST_FILE,
+    Manifest,
+    group_dir,
+    new_save_id,
+    read_save_id,
+)
 from checkpoint._names import encode_name
 from checkpoint._storage import StorageOptions
 from sc_framework.stacking import EmbeddingLayout
@@ -70,11 +79,14 @@ class Delta:
       an `UpdatedRows` tracker's `rows()`.
     parent_step: the previous save, whose state these rows update.
     base_step: the full save the chain starts from.
+    parent_id: the "save_id" in `parent_step`'s manifest, or None if it has
+      none; a restore then refuses a step `parent_step` holding another save.
   """
 
   rows: Mapping[str, np.ndarray]
   parent_step: int
   base_step: int
+  parent_id: str | None = None
 
   def __post_init__(self):
     for what, value in (("parent_step", self.parent_step), ("base_step", self.base_step)):
@@ -89,26 +101,32 @@ class Delta:
 
 @dataclasses.dataclass(frozen=True)
 class DeltaManifest:
-  """What a delta item is: its links, its process count and the state's manifest."""
+  """What a delta item is: its links, its process count and the state's manifest.
+
+  `save_id` identifies this save, `parent_id` the parent's (None where
+  unknown: written before ids existed, or the parent had none).
+  """
 
   parent_step: int
   base_step: int
   num_processes: int
   state: Manifest
+  save_id: str | None = None
+  parent_id: str | None = None
 
   def to_json(self) -> str:
-    return json.dumps(
-        {
-            "format": DELTA_FORMAT,
-            "format_version": DELTA_FORMAT_VERSION,
-            "parent_step": self.parent_step,
-            "base_step": self.base_step,
-            "num_processes": self.num_processes,
-            "state": self.state.to_dict(),
-        },
-        indent=1,
-        sort_keys=True,
-    )
+    data = {
+        "format": DELTA_FORMAT,
+        "format_version": DELTA_FORMAT_VERSION,
+        "parent_step": self.parent_step,
+        "base_step": self.base_step,
+        "num_processes": self.num_processes,
+        "state": self.state.to_dict(),
+    }
+    for key, value in (("save_id", self.save_id), ("parent_id", self.parent_id)):
+      if value is not None:
+        data[key] = value
+    return json.dumps(data, indent=1, sort_keys=True)
 
   @classmethod
   def from_dict(cls, data: Any, where: str) -> "DeltaManifest":
@@ -119,10 +137,11 @@ class DeltaManifest:
       )
     try:
       links = [int(data[key]) for key in ("parent_step", "base_step", "num_processes")]
+      ids = (read_save_id(data), read_save_id({"save_id": data.get("parent_id")}))
     except (KeyError, TypeError, ValueError) as error:
       raise NotACheckpointError(f"{where}: malformed delta manifest ({error!r}).") from error
     state = Manifest.from_dict(data.get("state"), f"{where} (state)")
-    return cls(*links, state)
+    return cls(*links, state, *ids)
 
 
 def is_delta_manifest(data: Any) -> bool:
@@ -344,7 +363,8 @@ def prepare_save(directory: epath.Path, args, *, primary: bool):
     raise TypeError(f"EmbeddingSave.delta must be a checkpoint.Delta or None, got {delta!r}.")
   state = _save.state_manifest(args)
   rows = union_across_processes(check_rows(args.layout, delta.rows))
-  manifest = DeltaManifest(int(delta.parent_step), int(delta.base_step), jax.process_count(), state)
+  manifest = DeltaManifest(int(delta.parent_step), int(delta.base_step), jax.process_count(),
+                           state, new_save_id(), delta.parent_id)
   parts = snapshot(args, rows)
   return write(
       epath.Path(directory),

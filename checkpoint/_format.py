@@ -21,12 +21,19 @@ optional, it leaves the format version at 1: a reader of version 1 that
 predates the field ignores it and restores as it always did, and this
 reader restores a manifest without it as before (slots matched by name and
 width only).
+
+"save_id" (optional likewise) identifies the saved state: a random id given
+by each save, kept by a conversion that keeps the values (another layout or
+device count; a compaction). A delta records its parent's id, so a parent
+step replaced by another state of the same step number is refused rather
+than read as the delta's base (`_chain.walk_chain`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import uuid
 from typing import Any, Literal
 
 import ml_dtypes
@@ -85,6 +92,7 @@ class Manifest:
   kind: Kind
   groups: tuple[GroupInfo, ...]
   storage: StorageOptions
+  save_id: str | None = None
 
   def group(self, name: str) -> GroupInfo:
     for group in self.groups:
@@ -97,13 +105,16 @@ class Manifest:
     return sum(group.nbytes for group in self.groups)
 
   def to_dict(self) -> dict[str, Any]:
-    return {
+    out = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         "kind": self.kind,
         "storage": self.storage.to_dict(),
         "groups": [_group_to_dict(group) for group in self.groups],
     }
+    if self.save_id is not None:  # Absent where unknown, as in older checkpoints.
+      out["save_id"] = self.save_id
+    return out
 
   @classmethod
   def from_dict(cls, data: Any, where: str) -> "Manifest":
@@ -148,12 +159,30 @@ class Manifest:
       if len(set(names)) != len(names):
         raise ValueError(f"duplicate group names in {names}")
       storage = StorageOptions.from_dict(data["storage"])
+      save_id = read_save_id(data)
     except (KeyError, TypeError, ValueError) as error:
       raise NotACheckpointError(f"{where}: malformed manifest ({error!r}).") from error
-    return cls(kind, tuple(groups), storage)
+    return cls(kind, tuple(groups), storage, save_id)
 
   def to_json(self) -> str:
     return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+
+def new_save_id() -> str:
+  """A fresh id for a saved state (random, 32 hex digits)."""
+  return uuid.uuid4().hex
+
+
+def read_save_id(data: dict[str, Any]) -> str | None:
+  """The "save_id" of a parsed manifest (full or delta), or None where it has none.
+
+  Raises:
+    ValueError: the entry is there but not a non-empty string.
+  """
+  save_id = data.get("save_id")
+  if save_id is not None and (not isinstance(save_id, str) or not save_id):
+    raise ValueError(f"save_id {save_id!r} is not an id")
+  return save_id
 
 
 def _group_to_dict(group: GroupInfo) -> dict[str, Any]:

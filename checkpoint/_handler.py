@@ -29,7 +29,7 @@ from jax.sharding import Mesh
 from checkpoint import _delta, _optimizers, _save, _storage
 from checkpoint._assembly import OnSlotMismatch
 from checkpoint._chain import open_reader, verify_item
-from checkpoint._format import MANIFEST_FILE
+from checkpoint._format import MANIFEST_FILE, new_save_id
 from checkpoint._inspect import describe_item
 from checkpoint._restore import TableArrays, read_tables, restore_to_mesh
 from checkpoint._storage import StorageOptions
@@ -66,7 +66,7 @@ class EmbeddingCheckpointHandler(ocp.AsyncCheckpointHandler):
     _storage.check_local_path(directory)  # Raised here, not by the background write.
     if args.delta is not None:  # Only the updated rows (checkpoint._delta).
       return _delta.prepare_save(epath.Path(directory), args, primary=self._is_primary())
-    manifest = _save.state_manifest(args)
+    manifest = dataclasses.replace(_save.state_manifest(args), save_id=new_save_id())
     blocks = _save.snapshot(args.tables, args.slots)
     return _save.write(
         epath.Path(directory), manifest, args.layout, blocks, primary=self._is_primary()

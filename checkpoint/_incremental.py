@@ -32,7 +32,7 @@ import numpy as np
 from etils import epath
 
 from checkpoint import _save
-from checkpoint._chain import continues_chain, delta_manifest, walk_chain
+from checkpoint._chain import continues_chain, delta_manifest, save_id_of, walk_chain
 from checkpoint._delta import Delta
 from checkpoint._errors import CheckpointError
 from checkpoint._format import MANIFEST_FILE
@@ -200,7 +200,8 @@ class IncrementalSaves:
             " full checkpoint (save_kind='full' or 'auto')."
         )
       return embedding
-    return dataclasses.replace(embedding, delta=Delta(rows, parent, base))
+    parent_id = save_id_of(self.item_dir(parent))
+    return dataclasses.replace(embedding, delta=Delta(rows, parent, base, parent_id))
 
   def _why_no_delta(self, step: int, updated_rows) -> str | None:
     """Why step `step` cannot be a delta of the open chain's state, or None."""

@@ -71,7 +71,8 @@ def verify_source(
   if step is None:
     return []  # A bare item: its chunks' checksums are checked as read.
   problems = _check(step, items, depth)
-  for link, _ in walk_chain(item)[:-1]:  # The earlier steps must have manifests too.
+  # The earlier steps must have manifests too (a replaced one is named after damaged ones).
+  for link, _ in walk_chain(item, check_ids=False)[:-1]:
     _require_manifest(link.parent)
   _integrity.raise_for(chain_problems(item, depth),
                        f"the delta chain of {item} being converted (its earlier steps)")

@@ -89,10 +89,10 @@ def item_chain_problems(item: epath.Path, depth: _integrity.Depth | None) -> lis
   place to bfloat16 under float32 deltas no longer restores.
   """
   try:
-    check_chain_states(item)
-    if depth is None:
-      return []
-    return chain_problems(item, depth)
+    problems = [] if depth is None else chain_problems(item, depth)
+    if not problems:  # Damaged links are named first; their states may be anything.
+      check_chain_states(item)
+    return problems
   except CheckpointError as error:
     return [Problem("error", item, f"its delta chain is broken: {error}")]
 

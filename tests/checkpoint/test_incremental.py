@@ -9,6 +9,7 @@ restore bit for bit as the full save of the same state does.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -20,9 +21,12 @@ import warnings
 
 import numpy as np
 import pytest
+from etils import epath
 
 import checkpoint as ck
+from checkpoint import _integrity as integrity
 from checkpoint import cli
+from checkpoint._compact import compact
 from ckpt_testlib import AXIS, make_mesh, make_model, touch_rows
 from sc_framework.optimizers import SGD, RowWiseAdagrad
 from sc_framework.stacking import logical_to_global_rows
@@ -689,3 +693,84 @@ def test_rows_added_while_a_delta_is_saved_reach_the_next_delta(tmp_path, monkey
   _assert_state(_restored_tables(tmp_path, 2), model)
   for name, table in _restored_tables(tmp_path, 1).tables.items():
     assert_same_bits(table, saved[name], err_msg=name)
+
+
+def _run(root, seed, steps=4):
+  """Saves steps 0..steps-1 of one run as a chain; returns its logical tables at every step."""
+  model = make_model(SPECS, seed=seed)
+  layout = model.layout([["a", "b"], ["c"]], 1, 1)
+  rng, tracker = np.random.default_rng(seed + 1), ck.UpdatedRows(layout)
+  states = {}
+  with ck.CheckpointManager(root, keep_latest=10,
+                            incremental=ck.IncrementalPolicy(max_delta_share=1.0)) as mngr:
+    for step in range(steps):
+      if step:
+        touch_rows(model, layout, tracker, rng, 0.1)
+      _save(mngr, step, model, layout, tracker)
+      states[step] = {k: v.copy() for k, v in model.logical.items()}
+  return layout, states
+
+
+@pytest.mark.filterwarnings("ignore:checkpoint step .* is skipped:RuntimeWarning")
+def test_a_parent_step_replaced_by_another_save_is_refused_not_read_as_the_base(tmp_path):
+  """A delta names its parent by number: step 1 of another run put in its place (each
+  step intact, with its own integrity manifest) made step 2 restore a mix of two runs."""
+  layout, states = _run(tmp_path / "a", seed=30)
+  _run(tmp_path / "b", seed=31)
+  shutil.rmtree(tmp_path / "a" / "1")
+  shutil.copytree(tmp_path / "b" / "1", tmp_path / "a" / "1")
+  replaced = r"delta step 2 was saved on top of save \w+ of step 1, but .*1/embedding holds save"
+  handler = ck.EmbeddingCheckpointHandler()
+  for step in (2, 3):
+    with pytest.raises(ck.BrokenChainError, match=replaced):
+      handler.restore(tmp_path / "a" / str(step) / "embedding", ck.TableRestore())
+  with pytest.raises(ck.BrokenChainError, match=replaced):
+    ck.convert(tmp_path / "a" / "3", tmp_path / "out", "unstacked")
+  assert not (tmp_path / "out").exists()
+  errors = [p for p in ck.verify(tmp_path / "a") if p.severity == "error"]
+  assert {p.path.parent.name for p in errors} == {"1", "2", "3"}, errors  # 1: b's 0 is not here
+  assert any(re.search(replaced, p.message) for p in errors), errors
+  with ck.CheckpointManager(tmp_path / "a", read_only=True) as mngr:
+    with pytest.warns(RuntimeWarning, match="skipped"):
+      restored = mngr.restore(None, ck.TableRestore())["embedding"]  # 3, 2, 1 refused: 0 used
+  for name, table in states[0].items():
+    assert_same_bits(restored.tables[name], table, err_msg=name)
+
+
+def test_conversions_and_compaction_keep_the_save_a_later_delta_was_written_on(tmp_path):
+  """Another layout holds the same state: a chain's base converted in place, and a middle
+  delta compacted, still take the later deltas; a base rounded to bfloat16 is a new save."""
+  model = make_model(SPECS, seed=32)
+  layout, states = _run(tmp_path, seed=32)
+  ck.convert(tmp_path / "0", tmp_path / "0", model.layout([["a"], ["b"], ["c"]], 2, 2),
+             overwrite=True)
+  assert compact(tmp_path / "2") is True
+  for step in range(4):
+    for name, table in states[step].items():
+      assert_same_bits(_restored_tables(tmp_path, step).tables[name], table, err_msg=name)
+  assert not [p for p in ck.verify(tmp_path) if p.severity == "error"]
+  ids = {}
+  for source, target in ((tmp_path / "1", "unstacked"), (tmp_path / "1", layout)):
+    out = tmp_path / f"out_{len(ids)}"
+    ck.convert(source, out, target)
+    ids[len(ids)] = json.loads((out / "embedding" / "manifest.json").read_text())["save_id"]
+  bf16 = tmp_path / "bf16"
+  ck.convert(tmp_path / "1", bf16, layout, table_dtype="bfloat16")
+  delta_1 = json.loads((tmp_path / "1" / "embedding" / "manifest.json").read_text())
+  assert ids[0] == ids[1] == delta_1["save_id"]
+  assert json.loads((bf16 / "embedding" / "manifest.json").read_text())["save_id"] != ids[0]
+
+
+def test_a_chain_saved_before_save_ids_existed_restores_as_before(tmp_path):
+  """Manifests without save ids (older checkpoints) chain by step number, as they did."""
+  _, states = _run(tmp_path, seed=34)
+  for step in range(4):
+    path = tmp_path / str(step) / "embedding" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    assert manifest.pop("save_id") and (step == 0 or manifest.pop("parent_id"))
+    path.write_text(json.dumps(manifest))
+    integrity.write_manifest(epath.Path(tmp_path / str(step)))
+  for step in range(4):
+    for name, table in states[step].items():
+      assert_same_bits(_restored_tables(tmp_path, step).tables[name], table, err_msg=name)
+  assert not [p for p in ck.verify(tmp_path) if p.severity == "error"]
