@@ -6,7 +6,8 @@ before the update, `OptimizerSpec.apply` runs, in this order:
 
   1. gradient clipping by row norm (row_clipnorm = c > 0):
        g_i <- g_i * min(1, c / ||g_i||_2)
-     the L2 norm of the whole summed row gradient (a row of zeros is kept);
+     the L2 norm of the whole summed row gradient (a row of zeros is kept;
+     a norm beyond sqrt(float32 max), ~1.8e19, is computed without overflow);
   2. gradient clipping by value (clipvalue = (lo, hi), None = unbounded):
        g_i <- min(max(g_i, lo), hi)                      element-wise
   3. the optimizer's own rule on the clipped gradient:
@@ -114,7 +115,12 @@ def clip_gradients(
   """Steps 1 and 2 of the module docstring on a block of summed row gradients [K, D']."""
   if row_clipnorm is not None:
     wide = grads.astype(jnp.float32)
-    norm = jnp.sqrt(jnp.sum(wide * wide, axis=1, keepdims=True))
+    squared = jnp.sum(wide * wide, axis=1, keepdims=True)
+    # ||g||^2 beyond float32 while ||g|| may be finite (a row of 2e19s): m ||g / m||, m = max |g|.
+    largest = jnp.max(jnp.abs(wide), axis=1, keepdims=True)
+    safe = jnp.where(largest > 0, largest, 1.0)
+    scaled = largest * jnp.sqrt(jnp.sum(jnp.square(wide / safe), axis=1, keepdims=True))
+    norm = jnp.where(jnp.isinf(squared), scaled, jnp.sqrt(squared))
     # c / max(||g||, c) is min(1, c / ||g||) and never divides by zero.
     grads = (wide * (row_clipnorm / jnp.maximum(norm, row_clipnorm))).astype(grads.dtype)
   if clipvalue is not None:

@@ -8,7 +8,7 @@ from sc_framework.preprocessing._batch import StackBatch
 from sc_framework.primitives import _sharded
 from sc_framework.primitives._checks import (
     check_batch,
-    check_names,
+    check_features,
     check_stacked,
     check_step,
     check_tables,
@@ -109,18 +109,10 @@ def _as_rows(plan: EmbeddingPlan, arrays: dict[str, jax.Array], what: str):
 
   `what` names the argument in the error (e.g. "activation_grads").
   """
-  check_names(what, arrays, [f.name for f in plan.feature_specs], "features",
-              "Pass one array per feature of the plan, keyed by feature name.")
-  out = {}
-  for feature in plan.feature_specs:
-    array = arrays[feature.name]
-    if tuple(array.shape) != feature.output_shape:
-      raise ValueError(
-          f"{what}[{feature.name!r}] has shape {tuple(array.shape)} but the feature's"
-          f" output_shape is {feature.output_shape}; pass arrays with the activations' shape."
-      )
-    out[feature.name] = array.reshape(feature.stacked_batch_size, feature.output_shape[-1])
-  return out
+  check_features(plan, arrays, what)
+  return {feature.name: arrays[feature.name].reshape(feature.stacked_batch_size,
+                                                     feature.output_shape[-1])
+          for feature in plan.feature_specs}
 
 
 def apply_embedding_gradients(

@@ -35,7 +35,14 @@ _PREPROCESS_HINT = (
 
 def check_names(what: str, given: Iterable[str], expected: Iterable[str], kind: str,
                 hint: str) -> None:
-  """Raises ValueError unless `given` names exactly the `expected` stacks or features."""
+  """Raises ValueError unless `given` (a mapping) names exactly the `expected` stacks or features.
+
+  Raises:
+    TypeError: `given` is not a mapping (an array, a list).
+  """
+  if not isinstance(given, Mapping):
+    raise TypeError(
+        f"{what} must be a dict keyed by {kind[:-1]} name, got {type(given).__name__}. {hint}")
   given, expected = set(given), set(expected)
   missing, unknown = sorted(expected - given), sorted(given - expected)
   if missing or unknown:
@@ -65,6 +72,11 @@ def check_tables(plan: EmbeddingPlan, tables: Mapping[str, Any], what: str = "ta
 
 def check_variables(plan: EmbeddingPlan, variables: Any) -> None:
   """Tables as `check_tables`, and every stack's optimizer slots by their SlotSpec."""
+  if not (hasattr(variables, "tables") and hasattr(variables, "slots")):
+    raise TypeError(
+        f"variables must be the EmbeddingVariables (tables and their optimizer slots), got"
+        f" {type(variables).__name__}. Pass the variables of init_embedding_variables(plan,"
+        " ...) or of a restore, not only their tables.")
   check_tables(plan, variables.tables, "variables.tables")
   slot_specs = plan.slot_specs()
   check_names("variables.slots", variables.slots, slot_specs, "stacks",
@@ -91,13 +103,33 @@ def check_stacked(plan: EmbeddingPlan, stacked: dict[str, jax.Array], what: str,
   """`stacked` holds one [G * B_s, D'] array per stack of the plan (`stacked_lookup`'s form)."""
   check_names(what, stacked, plan.layout.stack_names, "stacks", hint)
   for stack in plan.layout.stacks:
-    shape = tuple(getattr(stacked[stack.name], "shape", ()))
+    shape = _shape_of(stacked[stack.name], f"{what}[{stack.name!r}]")
     expected = (stack.total_batch_size, stack.padded_embedding_dim)
     if shape != expected:
       raise ValueError(
           f"{what}[{stack.name!r}] has shape {shape} but stack {stack.name!r} holds"
           f" {expected}: the samples of its features {[f.name for f in stack.features]} over"
           f" the batch, {stack.padded_embedding_dim} columns. {hint}"
+      )
+
+
+def _shape_of(array: Any, what: str) -> tuple[int, ...]:
+  """The shape of an array argument; TypeError naming it for anything else (None, a list)."""
+  if not hasattr(array, "shape") or not hasattr(array, "dtype"):
+    raise TypeError(f"{what} must be an array, got {type(array).__name__}.")
+  return tuple(array.shape)
+
+
+def check_features(plan: EmbeddingPlan, arrays: Any, what: str) -> None:
+  """One array per feature of the plan, each of its feature's output_shape."""
+  check_names(what, arrays, [f.name for f in plan.feature_specs], "features",
+              "Pass one array per feature of the plan, keyed by feature name.")
+  for feature in plan.feature_specs:
+    shape = _shape_of(arrays[feature.name], f"{what}[{feature.name!r}]")
+    if shape != feature.output_shape:
+      raise ValueError(
+          f"{what}[{feature.name!r}] has shape {shape} but the feature's output_shape is"
+          f" {feature.output_shape}; pass arrays with the activations' shape."
       )
 
 

@@ -57,7 +57,13 @@ inline const float* ClipGradient(const float* g, float* scratch, int64_t dim,
   if (!by_norm && !by_value) return g;
   float scale = 1.0f;
   if (by_norm) {
-    const float norm = std::sqrt(SquaredNorm(g, dim));
+    const float squared = SquaredNorm(g, dim);
+    float norm = std::sqrt(squared);
+    if (std::isinf(squared)) {  // ||g||^2 beyond float32 while ||g|| may be finite: in double
+      double wide = 0.0;
+      for (int64_t d = 0; d < dim; ++d) wide += static_cast<double>(g[d]) * g[d];
+      norm = static_cast<float>(std::sqrt(wide));
+    }
     scale = options.row_clipnorm / std::max(norm, options.row_clipnorm);
   }
   for (int64_t d = 0; d < dim; ++d) {

@@ -801,3 +801,27 @@ def test_the_bias_corrections_keep_a_single_update_to_a_few_ulps(spec_of, beta2)
       np.abs(g) + eps)
   expected_step = -0.05 * g / denominator
   assert_close(np.asarray(new_rows, np.float64) - rows, expected_step, terms=4)
+
+
+@pytest.mark.parametrize("backend", ["xla"] + (["cpu"] if cpu_kernels_available() else []))
+@pytest.mark.parametrize("scale", [1e3, 2e19, 1e30])
+def test_row_clipnorm_clips_rows_whose_squared_norm_overflows_float32(backend, scale):
+  """||g||^2 of a row of 2e19s overflows float32 though ||g|| does not: c / inf = 0 dropped
+  the step silently. Every row must move by lr * c * g / ||g||."""
+  table = TableSpec("t", 24, 8, optimizer=SGD(0.5, row_clipnorm=1.0))
+  feature = FeatureSpec("f", table, (8, 1))
+  plan = EmbeddingPlan.create([feature])  # on every device
+  rng = np.random.default_rng(int(scale) % 1000)
+  ids = rng.permutation(24)[:8].reshape(8, 1)  # one distinct row per sample
+  grads = (rng.choice([-1.0, 1.0], (8, 8)) * rng.uniform(0.5, 1.0, (8, 8)) * scale)
+  variables = init_embedding_variables(plan, jax.random.key(3))
+  before = _logical_state(plan, variables, table.optimizer)[0]["t"]
+  batch, _ = preprocess({"f": ids}, [feature], plan.layout)
+  after = apply_embedding_gradients(plan, variables, batch,
+                                    {"f": jnp.asarray(grads, jnp.float32)}, 0, backend=backend)
+  after = _logical_state(plan, after, table.optimizer)[0]["t"]
+  wide = grads.astype(np.float32).astype(np.float64)
+  step = 0.5 * wide / np.linalg.norm(wide, axis=1, keepdims=True)  # every norm is above c = 1
+  expected = before.astype(np.float64).copy()
+  expected[ids[:, 0]] -= step
+  assert_close(after, expected, terms=8)

@@ -339,6 +339,36 @@ def test_gradients_of_an_unknown_feature_are_refused_not_ignored():
   apply_embedding_gradients(plan, variables, batch, _grads(features), 0)
 
 
+def test_arguments_of_another_kind_are_refused_naming_the_argument():
+  """A bare array, a list, None or the tables alone failed with Python's own errors
+  ("unhashable type", "'dict' object has no attribute 'tables'")."""
+  features = (FeatureSpec("user", TableSpec("users", 60, 8, optimizer=Adam(0.1)), (BATCH, 2)),)
+  plan = _plan(features)
+  variables = init_embedding_variables(plan, jax.random.key(0))
+  batch = _batch(features, plan)
+  grads = _grads(features)
+  stacked = stacked_lookup(plan, variables.tables, batch)
+  cases = [
+      (lambda: apply_embedding_gradients(plan, variables, batch, grads["user"], 0),
+       r"activation_grads must be a dict keyed by feature name, got ArrayImpl"),
+      (lambda: apply_embedding_gradients(plan, variables, batch, [grads["user"]], 0),
+       r"activation_grads must be a dict keyed by feature name, got list"),
+      (lambda: apply_embedding_gradients(plan, variables, batch, {"user": None}, 0),
+       r"activation_grads\['user'\] must be an array, got NoneType"),
+      (lambda: apply_embedding_gradients(plan, variables.tables, batch, grads, 0),
+       r"variables must be the EmbeddingVariables .* got dict"),
+      (lambda: apply_stacked_gradients(plan, variables, batch, list(stacked.values()), 0),
+       r"stacked_grads must be a dict keyed by stack name, got list"),
+      (lambda: apply_stacked_gradients(plan, variables, batch, dict.fromkeys(stacked), 0),
+       r"stacked_grads\[.*\] must be an array, got NoneType"),
+      (lambda: split_stacked_activations(plan, stacked[next(iter(stacked))]),
+       r"must be a dict keyed by stack name, got ArrayImpl"),
+  ]
+  for call, message in cases:
+    with pytest.raises(TypeError, match=message):
+      call()
+
+
 @pytest.mark.parametrize("padding_id", [True, False, "x", 2.5, np.float32(-1.0)],
                          ids=["True", "False", "str", "float", "np_float"])
 def test_padding_id_must_be_an_int(padding_id):
