@@ -27,7 +27,9 @@ class CustomOptimizer(OptimizerSpec):
 
   and must be traceable by JAX and row-wise (row k's result depends only on
   row k's inputs). Columns beyond a table's logical dimension carry zero
-  gradients; what the function writes there has no meaning.
+  gradients. What the function writes there is discarded in the rows, which
+  keep zeros there (a lookup gathers whole D' rows: `stacked_lookup`'s
+  padding columns stay zero), and has no meaning in the slots.
 
   Example:
 
@@ -80,7 +82,6 @@ class CustomOptimizer(OptimizerSpec):
     return self.slot_specs
 
   def update_rule(self, rows, grads, slots, step, row_dims):
-    del row_dims
     new_rows, new_slots = self.update_fn(rows, grads, dict(slots), step)
     if set(new_slots) != set(slots):
       raise ValueError(
@@ -90,7 +91,8 @@ class CustomOptimizer(OptimizerSpec):
     self._check_output("rows", new_rows, rows)
     for name, value in new_slots.items():
       self._check_output(f"slot {name!r}", value, slots[name])
-    return new_rows, new_slots
+    logical = jnp.arange(rows.shape[1])[None, :] < row_dims[:, None]
+    return jnp.where(logical, new_rows, jnp.zeros((), new_rows.dtype)), new_slots
 
   def _check_output(self, what: str, value, given) -> None:
     """update_fn must return each array in the shape it was given, as floats at least as

@@ -30,6 +30,9 @@ class FTRL(OptimizerSpec):
     w <- 0                                                   otherwise
     n <- n'
 
+  These formulas divide by lr: a step whose rate is 0 (a schedule's warmup
+  start or decayed end) skips the rule, leaving w, n and z as they are.
+
   With multiply_linear_by_learning_rate the linear term is kept scaled by lr
   (robust to a changing learning rate):
 
@@ -93,12 +96,18 @@ class FTRL(OptimizerSpec):
       threshold = self.l1 * lr
       quadratic = self.beta + root_new + 2.0 * self.l2 * lr
     else:
-      linear = slots["linear"] + grads - (root_new - root_old) / lr * rows
+      divisor = jnp.where(lr == 0, 1.0, lr)  # a rate of 0 skips the rule (below)
+      linear = slots["linear"] + grads - (root_new - root_old) / divisor * rows
       threshold = self.l1
-      quadratic = (self.beta + root_new) / lr + 2.0 * self.l2
+      quadratic = (self.beta + root_new) / divisor + 2.0 * self.l2
     new_rows = jnp.where(
         jnp.abs(linear) > threshold,
         (jnp.sign(linear) * threshold - linear) / quadratic,
         jnp.zeros_like(linear),
     )
+    if not self.multiply_linear_by_learning_rate:
+      skip = lr == 0
+      new_rows = jnp.where(skip, rows, new_rows)
+      new_accumulator = jnp.where(skip, accumulator, new_accumulator)
+      linear = jnp.where(skip, slots["linear"], linear)
     return new_rows, {"accumulator": new_accumulator, "linear": linear}

@@ -110,6 +110,8 @@ struct FtrlStep {
       : gradient_scale(h[0]), divisor(h[1]), threshold(h[3]), beta(h[4]), l2_term(h[5]),
         root(h[2]) {}
   float operator()(float w, float g, float* const* slot, int64_t d) const {
+    // Only the default form divides by the rate (divisor = lr); a rate of 0 skips the rule.
+    if (divisor == 0.0f) return w;
     const float n = slot[0][d];
     const float n_new = n + g * g;
     const float root_new = root(n_new), root_old = root(n);
