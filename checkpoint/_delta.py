@@ -92,6 +92,9 @@ class Delta:
     for what, value in (("parent_step", self.parent_step), ("base_step", self.base_step)):
       if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
         raise ValueError(f"Delta: {what} must be a step number >= 0, got {value!r}.")
+    if self.parent_id is not None and (not isinstance(self.parent_id, str) or not self.parent_id):
+      raise ValueError(f"Delta: parent_id must be the parent's save id or None, got"
+                       f" {self.parent_id!r}.")
     if self.base_step > self.parent_step:
       raise ValueError(
           f"Delta: base_step {self.base_step} comes after parent_step {self.parent_step}; a"
