@@ -4,7 +4,7 @@ A step directory written by `CheckpointManager` holds `integrity.json`:
 
   {"format": "sc_framework.step_integrity", "format_version": 1,
    "files": {relative path: {"size": bytes, "crc32c": CRC32C of the file}
-                          | {"size": bytes, "zarr_crc32c": true}},
+                          | {"size": bytes, "zarr_crc32c": true, "trailer": int}},
    "digest": CRC32C of the canonical JSON of "files"}
 
 It is written after every item is on disk and before Orbax's commit (the
@@ -14,14 +14,19 @@ Orbax's own commit bookkeeping (`_CHECKPOINT_METADATA`, `commit_success.txt`
 at the step root, updated by the commit itself). A chunk file of a zarr v3
 array whose codec chain ends in the `crc32c` codec carries its own checksum
 (the last 4 bytes are the little-endian CRC32C of the bytes before them):
-the manifest records its size, TensorStore (or the reader's direct path)
-checks its checksum on every read, and `verify_step` checks it directly.
+the manifest records its size and that trailer (4 bytes read, not the
+chunk), TensorStore (or the reader's direct path) checks the checksum on
+every read, and `verify_step` checks it directly. The recorded trailer ties
+each chunk to its place: a chunk copied from another step, or two chunks of
+one array swapped, carry valid checksums of their own but other trailers.
+(Manifests written before the trailer was recorded hold sizes only.)
 
 Checks, cheapest first (each returns `Problem`s, never raises):
   check_structure  manifest valid; every listed file present as a regular
                    file (reached through no symbolic link) of its size; the
                    manifest's small JSON-like files (< 1 MiB) checksummed.
-  check_items      the files of some items: sizes and full checksums (what a
+  check_items      the files of some items: sizes and full checksums, and
+                   each zarr chunk's trailer against the manifest (what a
                    restore verifies before handing those items to Orbax).
   verify_step      everything: every file's checksum and every zarr chunk's.
 Symbolic links anywhere in a step are errors: nothing is read through one.
@@ -66,10 +71,15 @@ class Problem:
 
 @dataclasses.dataclass(frozen=True)
 class FileEntry:
-  """One file of the manifest: its size and CRC32C (None: a zarr chunk with its own)."""
+  """One file of the manifest: its size and CRC32C (None: a zarr chunk with its own).
+
+  `trailer` is such a chunk's own checksum (its last 4 bytes, little endian),
+  None where not recorded (a file with `crc32c`, or an older manifest).
+  """
 
   size: int
   crc32c: int | None
+  trailer: int | None = None
 
 
 # ----------------------------------------------------------------------------- checksums
@@ -187,7 +197,7 @@ def build_manifest(step_dir: epath.Path) -> dict[str, FileEntry]:
   for rel in rels:
     path = step_dir / rel
     if _is_zarr_chunk(rel, checksummed):
-      files[rel] = FileEntry(path.stat().length, None)
+      files[rel] = FileEntry(path.stat().length, None, read_trailer(path))
     else:
       files[rel] = FileEntry(path.stat().length, crc32c_of_file(path)[0])
   return files
@@ -241,15 +251,30 @@ def read_manifest(step_dir: epath.Path) -> dict[str, FileEntry]:
     raise CorruptCheckpointError(f"{path} is unreadable or damaged ({error}).{advice}") from error
 
 
+def read_trailer(path: epath.Path) -> int | None:
+  """A zarr chunk's crc32c trailer (its last 4 bytes, little endian); None if shorter."""
+  with epath.Path(path).open("rb") as f:
+    f.seek(0, os.SEEK_END)
+    if f.tell() < 4:
+      return None
+    f.seek(-4, os.SEEK_END)
+    return int.from_bytes(f.read(4), "little")
+
+
 def _entry_to_dict(entry: FileEntry) -> dict[str, Any]:
   if entry.crc32c is None:
-    return {"size": entry.size, "zarr_crc32c": True}
+    out: dict[str, Any] = {"size": entry.size, "zarr_crc32c": True}
+    if entry.trailer is not None:
+      out["trailer"] = entry.trailer
+    return out
   return {"size": entry.size, "crc32c": entry.crc32c}
 
 
 def _entry_from_dict(data: dict[str, Any]) -> FileEntry:
-  crc = None if data.get("zarr_crc32c") else int(data["crc32c"])
-  return FileEntry(int(data["size"]), crc)
+  if data.get("zarr_crc32c"):
+    trailer = data.get("trailer")
+    return FileEntry(int(data["size"]), None, None if trailer is None else int(trailer))
+  return FileEntry(int(data["size"]), int(data["crc32c"]))
 
 
 def _digest(entries: dict[str, Any]) -> int:
@@ -333,6 +358,11 @@ def _check_file(
     message = f"has {size} bytes, the manifest says {entry.size} (truncated or changed)"
     return [Problem("error", path, message)]
   if entry.crc32c is None:
+    if depth == "structure":
+      return []
+    if entry.trailer is not None and read_trailer(path) != entry.trailer:
+      return [Problem("error", path, "chunk differs from the one saved here (its crc32c trailer"
+                      " is not the manifest's: a chunk of another step or position)")]
     if depth != "full" or not _is_zarr_chunk(rel, checksummed):
       return []
     crc, trailer = crc32c_of_file(path, skip_tail=4)

@@ -130,7 +130,10 @@ def _links(directory: epath.Path) -> list[Problem]:
 
 
 def verify_item(item: epath.Path) -> list[Problem]:
-  """The problems of a bare embedding item: links, and every chunk of every array.
+  """The problems of a bare embedding item: links, each array's metadata, and every chunk.
+
+  Each array's zarr.json must describe what the manifest says (shape, dtype,
+  rows per chunk, the storage's codecs), as a restore opens it.
 
   A delta item's arrays (every process's part) are read in full, which
   checks their chunks' checksums; its chain is not followed.
@@ -152,10 +155,36 @@ def verify_item(item: epath.Path) -> list[Problem]:
   for group in reader.manifest.groups:
     for slot, info in [(None, group.table)] + list(group.slots.items()):
       path = array_dir(item, reader.manifest.kind, group.name, slot)
+      metadata = _array_metadata_problems(reader, group.name, slot, info, path)
+      if metadata:
+        problems.extend(metadata)
+        continue
       chunk_bytes = info.chunk_rows * info.shape[1] * numpy_dtype(info.dtype).itemsize
       for chunk in range(-(-info.shape[0] // info.chunk_rows)):
         problems.extend(_check_chunk(chunk_file(path, chunk), chunk_bytes, reader))
   return problems
+
+
+def _array_metadata_problems(reader: CheckpointReader, group: str, slot: str | None, info,
+                             path: epath.Path) -> list[Problem]:
+  """An array's zarr.json against the manifest: opens, shape and dtype, chunk rows, codecs."""
+  try:
+    store = reader.store(group, slot)  # Opening reads zarr.json and checks shape and dtype.
+  except CheckpointError as error:
+    return [Problem("error", path / "zarr.json", str(error))]
+  codecs = [codec.get("name") for codec in store.codec.to_json().get("codecs", [])]
+  itemsize = numpy_dtype(info.dtype).itemsize
+  expected = [codec["name"] for codec in reader.manifest.storage.codecs(itemsize)]
+  found = []
+  if codecs != expected:
+    found.append(f"codecs {codecs}, but the manifest's storage writes {expected}")
+  chunk_rows = store.chunk_layout.read_chunk.shape[0]
+  if chunk_rows != info.chunk_rows:
+    found.append(f"{chunk_rows} rows per chunk, but the manifest says {info.chunk_rows}")
+  if not found:
+    return []
+  return [Problem("error", path / "zarr.json",
+                  f"describes {'; '.join(found)}: its chunks would not read back as saved")]
 
 
 def _verify_delta(item: epath.Path, manifest: DeltaManifest) -> list[Problem]:

@@ -47,8 +47,9 @@ def test_the_manifest_lists_every_file_of_every_item(root):
   assert listed == on_disk
   assert {rel.split("/")[0] for rel in listed} == {"dense", "embedding", "in_flight", "meta"}
   chunks = [rel for rel in listed if "/c/" in rel and rel.startswith("embedding/")]
-  assert chunks and all(manifest["files"][rel] == {"size": os.path.getsize(step / rel),
-                                                   "zarr_crc32c": True} for rel in chunks)
+  assert chunks and all(manifest["files"][rel] == {
+      "size": os.path.getsize(step / rel), "zarr_crc32c": True,
+      "trailer": int.from_bytes((step / rel).read_bytes()[-4:], "little")} for rel in chunks)
   assert manifest["files"]["meta/metadata"]["crc32c"] == _integrity.crc32c_of_file(
       step / "meta/metadata"
   )[0]
@@ -72,6 +73,37 @@ def test_restore_none_falls_back_past_a_corrupt_chunk_but_an_explicit_step_raise
   assert_same_bits(restored.tables["a__b"], template.oracle[1]["tables"]["a__b"])
   for slot, array in template.oracle[1]["slots"]["a__b"].items():
     assert_same_bits(restored.slots["a__b"][slot], array)
+
+
+@pytest.mark.filterwarnings("ignore:checkpoint step .* is skipped:RuntimeWarning")
+@pytest.mark.parametrize("mix", ["from another step", "swapped within the array"])
+def test_a_chunk_of_another_step_or_position_is_refused(root, template, mix):
+  """Each such chunk carries a valid checksum of its own (a backup restore that mixed two
+  steps): verify, convert and restore all passed it and restored stale rows."""
+  step = root / "2"
+  chunks = sorted(rel for rel in json.loads((step / "integrity.json").read_text())["files"]
+                  if rel.startswith("embedding/stacks/a__b/table/c/"))
+  if mix == "from another step":
+    changed = [step / chunks[0]]
+    shutil.copyfile(root / "1" / chunks[0], changed[0])
+  else:
+    changed = [step / chunks[0], step / chunks[1]]
+    first, second = (path.read_bytes() for path in changed)
+    assert len(first) == len(second) and first != second
+    changed[0].write_bytes(second), changed[1].write_bytes(first)
+  errors = [p for p in ck.verify(step) if p.severity == "error"]
+  assert {str(p.path) for p in errors} == {str(path) for path in changed}, errors
+  assert all("a chunk of another step or position" in p.message for p in errors)
+  layout = template.layout
+  restore = ck.EmbeddingRestore(layout, make_mesh(layout.num_devices), AXIS)
+  with ck.CheckpointManager(root) as mngr:
+    with pytest.raises(ck.CorruptCheckpointError, match=str(changed[0])):
+      mngr.restore(2, restore)
+    restored = mngr.restore(None, restore)["embedding"]  # falls back to step 1
+  assert_same_bits(restored.tables["a__b"], template.oracle[1]["tables"]["a__b"])
+  with pytest.raises(ck.CorruptCheckpointError, match=str(changed[0])):
+    ck.convert(step, root.parent / "converted", "unstacked")
+  assert not (root.parent / "converted").exists()
 
 
 def test_a_dense_shape_mismatch_names_the_parameter_both_shapes_and_the_step(root, template):

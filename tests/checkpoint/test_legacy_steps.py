@@ -8,6 +8,8 @@ manifest, after which it restores bit for bit.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -62,3 +64,25 @@ def test_adopt_refuses_a_damaged_step(tmp_path, capsys):
 def test_adopt_needs_a_step_directory(tmp_path, capsys):
   assert main(["verify", "--adopt", str(tmp_path)]) != 0
   assert "not a step directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("damage", ["codecs", "chunk rows", "missing"])
+def test_adopt_refuses_an_array_whose_metadata_no_restore_can_read(tmp_path, capsys, damage):
+  """verify and --adopt read the chunks by the manifest, never zarr.json: an array's
+  metadata without its crc32c codec, of other chunks, or deleted passed them, the adopted
+  step then passed plain verify, and every restore failed."""
+  _legacy_root(tmp_path)
+  metadata = tmp_path / "5" / "embedding" / "stacks" / "a__b" / "slots" / "accumulator" / "zarr.json"
+  if damage == "missing":
+    metadata.unlink()
+  else:
+    data = json.loads(metadata.read_text())
+    if damage == "codecs":
+      data["codecs"] = data["codecs"][:-1]
+    else:
+      grid = data["chunk_grid"]["configuration"]["chunk_shape"]
+      grid[0] *= 2
+    metadata.write_text(json.dumps(data))
+  assert main(["verify", "--adopt", str(tmp_path / "5")]) == 1
+  assert not (tmp_path / "5" / "integrity.json").exists()
+  assert str(metadata) in capsys.readouterr().out
