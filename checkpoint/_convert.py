@@ -209,9 +209,9 @@ def convert(
   if target != "unstacked":
     _check_every_table_placed(reader, target)
   storage = storage or reader.manifest.storage
-  if item is not None and item != src:
-    _check_dependent_deltas(dst, item.name, _converted_states(reader, table_dtype))
   save_id = _converted_save_id(reader, src if item is None else item, table_dtype)
+  if item is not None and item != src:
+    _check_dependent_deltas(dst, item.name, _converted_states(reader, table_dtype), save_id)
   tmp = _fresh_temporary_directory(dst)
   try:
     if item is not None and item != src:
@@ -263,29 +263,40 @@ def _converted_save_id(reader, source: epath.Path, table_dtype: np.dtype | None)
   return new_save_id() if kept is None else kept
 
 
-def _check_dependent_deltas(dst: epath.Path, item_name: str, states: dict) -> None:
+def _check_dependent_deltas(dst: epath.Path, item_name: str, states: dict,
+                            save_id: str) -> None:
   """Raises if the converted item, replacing step `dst`'s, would break later deltas that read it.
 
   A later step of `dst`'s root may be a delta whose chain reads `dst` (its
   base or an earlier delta): its rows go on top of the item found there,
-  which must keep the tables as the chain has them (`states`, the
-  `_chain.table_states` of the conversion's output: shapes, slots, dtypes).
-  Another layout, stacking or storage keeps them; a table dtype of bfloat16
-  under float32 deltas does not, and every later step of the chain would
-  no longer restore. Checked before anything is written.
+  which must be the save it was written on (`save_id`, the output's, as
+  the delta records it) and keep the tables as the chain has them
+  (`states`, the `_chain.table_states` of the conversion's output: shapes,
+  slots, dtypes). A conversion of `dst` itself into another layout,
+  stacking or storage keeps both; a table dtype of bfloat16 under float32
+  deltas, or another step converted into `dst`'s place, does not, and every
+  later step of the chain would no longer restore. Checked before anything
+  is written.
   """
   if not dst.exists():
     return
   for deltas in dependent_deltas(dst, item_name):
+    steps = sorted(int(delta.directory.parent.name) for delta in deltas)
+    advice = (" Convert into another directory instead (or convert the newest step, which"
+              " reads as its whole chain).")
     try:
       check_deltas_keep_base(dst / item_name, states, deltas)
     except IncompatibleCheckpointError as error:
-      steps = sorted(int(delta.directory.parent.name) for delta in deltas)
       raise ValueError(
           f"converting {dst} in place would break the delta steps {steps} of its root, which"
-          f" read it as part of their chain: {error} Convert into another directory instead"
-          " (or convert the newest step, which reads as its whole chain)."
+          f" read it as part of their chain: {error}{advice}"
       ) from error
+    recorded = deltas[0].manifest.parent_id
+    if recorded is not None and recorded != save_id:
+      raise ValueError(
+          f"converting into {dst} would break the delta steps {steps} of its root, which read"
+          f" it as part of their chain: they were saved on top of save {recorded}, and the"
+          f" conversion writes save {save_id} (another state) in its place.{advice}")
 
 
 def _fresh_temporary_directory(dst: epath.Path) -> epath.Path:

@@ -92,7 +92,8 @@ class Manifest:
   kind: Kind
   groups: tuple[GroupInfo, ...]
   storage: StorageOptions
-  save_id: str | None = None
+  # Which save, not what is stored: manifests of the same arrays compare equal.
+  save_id: str | None = dataclasses.field(default=None, compare=False)
 
   def group(self, name: str) -> GroupInfo:
     for group in self.groups:

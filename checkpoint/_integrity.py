@@ -35,10 +35,11 @@ Files not in the manifest are reported as foreign and never read or deleted.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal
 
 import google_crc32c
@@ -53,6 +54,9 @@ FORMAT_VERSION = 1
 COMMIT_FILES = frozenset({"_CHECKPOINT_METADATA", "commit_success.txt"})
 _READ_BYTES = 16 << 20
 _SMALL_FILE = 1 << 20
+# Files sized, read or checksummed at once: a step has one file per chunk, and on
+# cloud storage each file's size and trailer is a request of its own.
+_IO_THREADS = 16
 
 Severity = Literal["error", "foreign"]
 
@@ -193,14 +197,22 @@ def build_manifest(step_dir: epath.Path) -> dict[str, FileEntry]:
     )
   rels = [rel for rel, _, _ in found if rel not in COMMIT_FILES and rel != INTEGRITY_FILE]
   checksummed = _zarr_checksummed_dirs(step_dir, rels)
-  files = {}
-  for rel in rels:
+
+  def entry(rel: str) -> FileEntry:
     path = step_dir / rel
     if _is_zarr_chunk(rel, checksummed):
-      files[rel] = FileEntry(path.stat().length, None, read_trailer(path))
-    else:
-      files[rel] = FileEntry(path.stat().length, crc32c_of_file(path)[0])
-  return files
+      return FileEntry(path.stat().length, None, read_trailer(path))
+    return FileEntry(path.stat().length, crc32c_of_file(path)[0])
+
+  return dict(zip(rels, _concurrently(entry, rels)))
+
+
+def _concurrently(fn: Callable, items: list) -> list:
+  """[fn(item) for item in items], run on up to `_IO_THREADS` threads (file I/O)."""
+  if len(items) < 2:
+    return [fn(item) for item in items]
+  with concurrent.futures.ThreadPoolExecutor(min(_IO_THREADS, len(items))) as pool:
+    return list(pool.map(fn, items))
 
 
 def manifest_json(files: dict[str, FileEntry]) -> str:
@@ -330,10 +342,13 @@ def check_step(
       else:
         on_disk[rel] = path
   checksummed = _zarr_checksummed_dirs(step_dir, [rel for rel in files if rel in on_disk])
-  for rel, entry in sorted(files.items()):
-    if not selected(rel) or (rel not in on_disk and link_in_path(step_dir, rel) is not None):
-      continue  # Not asked for, or below a link (reported above).
-    problems.extend(_check_file(step_dir / rel, rel in on_disk, entry, depth, rel, checksummed))
+  # Not asked for, or below a link (reported above): not checked.
+  checked = [(rel, entry) for rel, entry in sorted(files.items()) if selected(rel) and not (
+      rel not in on_disk and link_in_path(step_dir, rel) is not None)]
+  for found in _concurrently(
+      lambda check: _check_file(step_dir / check[0], check[0] in on_disk, check[1], depth,
+                                check[0], checksummed), checked):
+    problems.extend(found)
   if wanted is None:
     listed = roots | COMMIT_FILES | {INTEGRITY_FILE}
     for child in sorted(step_dir.iterdir(), key=lambda p: p.name):
@@ -349,6 +364,15 @@ def check_step(
 
 
 def _check_file(
+    path: epath.Path, present: bool, entry: FileEntry, depth: Depth, rel: str, checksummed: set[str]
+) -> list[Problem]:
+  try:
+    return _file_problems(path, present, entry, depth, rel, checksummed)
+  except OSError as error:  # e.g. removed or made unreadable while checked
+    return [Problem("error", path, f"cannot be read ({error})")]
+
+
+def _file_problems(
     path: epath.Path, present: bool, entry: FileEntry, depth: Depth, rel: str, checksummed: set[str]
 ) -> list[Problem]:
   if not present:

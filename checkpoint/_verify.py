@@ -88,13 +88,14 @@ def item_chain_problems(item: epath.Path, depth: _integrity.Depth | None) -> lis
   slots, dtypes, optimizer; `_chain.check_chain_states`): a base converted in
   place to bfloat16 under float32 deltas no longer restores.
   """
+  problems: list[Problem] = []
   try:
     problems = [] if depth is None else chain_problems(item, depth)
-    if not problems:  # Damaged links are named first; their states may be anything.
+    if not _integrity.errors(problems):  # Damaged links first; their states may be anything.
       check_chain_states(item)
-    return problems
   except CheckpointError as error:
-    return [Problem("error", item, f"its delta chain is broken: {error}")]
+    problems.append(Problem("error", item, f"its delta chain is broken: {error}"))
+  return problems
 
 
 def verify_root(root: epath.Path) -> list[Problem]:
@@ -172,9 +173,9 @@ def _array_metadata_problems(reader: CheckpointReader, group: str, slot: str | N
     store = reader.store(group, slot)  # Opening reads zarr.json and checks shape and dtype.
   except CheckpointError as error:
     return [Problem("error", path / "zarr.json", str(error))]
-  codecs = [codec.get("name") for codec in store.codec.to_json().get("codecs", [])]
   itemsize = numpy_dtype(info.dtype).itemsize
-  expected = [codec["name"] for codec in reader.manifest.storage.codecs(itemsize)]
+  codecs = _codec_names(store.codec.to_json().get("codecs", []))
+  expected = _codec_names(reader.manifest.storage.codecs(itemsize))
   found = []
   if codecs != expected:
     found.append(f"codecs {codecs}, but the manifest's storage writes {expected}")
@@ -219,6 +220,17 @@ def _check_chunk(file: epath.Path, payload: int, reader: CheckpointReader) -> li
     if int.from_bytes(trailer, "little") != crc:
       return [Problem("error", file, "chunk checksum mismatch (the zarr crc32c codec's trailer)")]
   return []
+
+
+def _codec_names(codecs: list[dict]) -> list[str]:
+  """Each codec's name, the byte order with it for `bytes` (what decoding depends on)."""
+  names = []
+  for codec in codecs:
+    name = str(codec.get("name"))
+    if name == "bytes":
+      name += f" ({(codec.get('configuration') or {}).get('endian', 'little')} endian)"
+    names.append(name)
+  return names
 
 
 def adopt_step(step_dir: epath.PathLike) -> list[Problem]:

@@ -116,16 +116,27 @@ def clip_gradients(
   if row_clipnorm is not None:
     wide = grads.astype(jnp.float32)
     squared = jnp.sum(wide * wide, axis=1, keepdims=True)
-    # ||g||^2 beyond float32 while ||g|| may be finite (a row of 2e19s): m ||g / m||, m = max |g|.
-    largest = jnp.max(jnp.abs(wide), axis=1, keepdims=True)
-    safe = jnp.where(largest > 0, largest, 1.0)
-    scaled = largest * jnp.sqrt(jnp.sum(jnp.square(wide / safe), axis=1, keepdims=True))
-    norm = jnp.where(jnp.isinf(squared), scaled, jnp.sqrt(squared))
+    norm = jax.lax.cond(jnp.any(jnp.isinf(squared)), _norm_without_overflow,
+                        lambda wide, squared: jnp.sqrt(squared), wide, squared)
     # c / max(||g||, c) is min(1, c / ||g||) and never divides by zero.
     grads = (wide * (row_clipnorm / jnp.maximum(norm, row_clipnorm))).astype(grads.dtype)
   if clipvalue is not None:
     grads = jnp.clip(grads, *clipvalue)
   return grads
+
+
+def _norm_without_overflow(wide: jax.Array, squared: jax.Array) -> jax.Array:
+  """Row norms where ||g||^2 overflows float32 though ||g|| may not (a row of 2e19s).
+
+  m * ||g / m||, m = max |g|, for such rows of finite entries; sqrt(squared)
+  elsewhere, so other rows keep their bits, and a row holding an inf keeps
+  its infinite norm. Run only when some row overflows.
+  """
+  largest = jnp.max(jnp.abs(wide), axis=1, keepdims=True)
+  rescale = jnp.isinf(squared) & jnp.isfinite(largest)
+  safe = jnp.where(rescale & (largest > 0), largest, 1.0)
+  scaled = largest * jnp.sqrt(jnp.sum(jnp.square(wide / safe), axis=1, keepdims=True))
+  return jnp.where(rescale, scaled, jnp.sqrt(squared))
 
 
 def decay_and_clip_weights(

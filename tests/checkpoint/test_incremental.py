@@ -774,3 +774,31 @@ def test_a_chain_saved_before_save_ids_existed_restores_as_before(tmp_path):
     for name, table in states[step].items():
       assert_same_bits(_restored_tables(tmp_path, step).tables[name], table, err_msg=name)
   assert not [p for p in ck.verify(tmp_path) if p.severity == "error"]
+
+
+def test_a_step_converted_into_the_place_of_a_chains_link_is_refused(tmp_path):
+  """Converting another run's step 1 into step 1 of a chain (overwrite) was accepted: its
+  later deltas then read another state, and every one of them stopped restoring."""
+  layout, states = _run(tmp_path / "a", seed=36)
+  _run(tmp_path / "b", seed=37)
+  manifest = (tmp_path / "a" / "1" / "integrity.json").read_text()
+  with pytest.raises(ValueError, match=r"converting into .*a/1 would break the delta steps"
+                     r" \[2, 3\] .*saved on top of save \w+, and the conversion writes save"):
+    ck.convert(tmp_path / "b" / "1", tmp_path / "a" / "1", layout, overwrite=True)
+  assert (tmp_path / "a" / "1" / "integrity.json").read_text() == manifest
+  for name, table in states[3].items():
+    assert_same_bits(_restored_tables(tmp_path / "a", 3).tables[name], table, err_msg=name)
+
+
+def test_verify_names_a_replaced_link_also_beside_a_stray_file(tmp_path):
+  """A file the manager did not write, inside an earlier link, is only a warning: it must
+  not hide that the chain no longer restores."""
+  _run(tmp_path / "a", seed=38)
+  _run(tmp_path / "b", seed=39)
+  shutil.rmtree(tmp_path / "a" / "1")
+  shutil.copytree(tmp_path / "b" / "1", tmp_path / "a" / "1")
+  (tmp_path / "a" / "0" / "embedding" / "notes.txt").write_text("a user's note")
+  problems = ck.verify(tmp_path / "a" / "3")
+  assert any(p.severity == "foreign" and p.path.name == "notes.txt" for p in problems), problems
+  assert any(p.severity == "error" and "delta step 2 was saved on top of save" in p.message
+             for p in problems), problems

@@ -66,7 +66,7 @@ def test_adopt_needs_a_step_directory(tmp_path, capsys):
   assert "not a step directory" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("damage", ["codecs", "chunk rows", "missing"])
+@pytest.mark.parametrize("damage", ["codecs", "byte order", "chunk rows", "missing"])
 def test_adopt_refuses_an_array_whose_metadata_no_restore_can_read(tmp_path, capsys, damage):
   """verify and --adopt read the chunks by the manifest, never zarr.json: an array's
   metadata without its crc32c codec, of other chunks, or deleted passed them, the adopted
@@ -79,6 +79,8 @@ def test_adopt_refuses_an_array_whose_metadata_no_restore_can_read(tmp_path, cap
     data = json.loads(metadata.read_text())
     if damage == "codecs":
       data["codecs"] = data["codecs"][:-1]
+    elif damage == "byte order":
+      data["codecs"][0]["configuration"]["endian"] = "big"
     else:
       grid = data["chunk_grid"]["configuration"]["chunk_shape"]
       grid[0] *= 2

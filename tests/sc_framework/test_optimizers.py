@@ -904,3 +904,27 @@ def test_ftrl_skips_a_step_whose_learning_rate_is_zero(backend):
     assert_close(got_tables["t"][touched], w, terms=3)
     assert_close(got_slots["linear"]["t"][touched], state["linear"], terms=3)
     assert np.abs(got_tables["t"][touched] - tables["t"][touched]).max() > 1e-3
+
+
+@pytest.mark.parametrize("backend", ["xla"] + (["cpu"] if cpu_kernels_available() else []))
+def test_row_clipnorm_of_a_row_holding_an_inf_spoils_only_that_element(backend):
+  """Its norm is inf, so its scale c / inf is 0: inf * 0 is NaN there and the row's other
+  elements do not move, on both backends; the other rows are clipped as usual."""
+  table = TableSpec("t", 24, 8, optimizer=SGD(0.5, row_clipnorm=1.0))
+  feature = FeatureSpec("f", table, (8, 1))
+  plan = EmbeddingPlan.create([feature])
+  ids = np.arange(8).reshape(8, 1) * 3
+  grads = np.random.default_rng(9).normal(size=(8, 8)).astype(np.float32) * 10
+  grads[2, 5] = np.inf
+  variables = init_embedding_variables(plan, jax.random.key(3))
+  before = _logical_state(plan, variables, table.optimizer)[0]["t"]
+  batch, _ = preprocess({"f": ids}, [feature], plan.layout)
+  after = apply_embedding_gradients(plan, variables, batch, {"f": jnp.asarray(grads)}, 0,
+                                    backend=backend)
+  after = _logical_state(plan, after, table.optimizer)[0]["t"]
+  assert np.argwhere(~np.isfinite(after)).tolist() == [[6, 5]]
+  assert_same_bits(np.delete(after[6], 5), np.delete(before[6], 5))
+  others = [row for row in range(8) if row != 2]
+  wide = grads[others].astype(np.float64)
+  expected = before[ids[others, 0]] - 0.5 * wide / np.linalg.norm(wide, axis=1, keepdims=True)
+  assert_close(after[ids[others, 0]], expected, terms=8)
