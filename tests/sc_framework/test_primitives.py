@@ -917,9 +917,12 @@ def test_eager_calls_compile_one_program_per_stack():
                (eager_activations, eager_update), (jitted_activations, jitted_update))
 
 
-@pytest.mark.parametrize("geometry", ["1x1", "8x2"])
-@pytest.mark.parametrize("opt_name", ["sgd", "rowwise_adagrad", "ftrl", "custom"])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("opt_name, geometry, dtype", [
+    ("sgd", "1x1", jnp.float32),  # no slots
+    ("rowwise_adagrad", "8x2", jnp.bfloat16),  # a slot one value wide
+    ("ftrl", "8x2", jnp.float32),  # two slots of the table's width
+    ("custom", "1x1", jnp.bfloat16),  # slots of both widths
+])
 def test_variable_shapes_are_those_of_the_initialised_variables(opt_name, geometry, dtype):
   """The restore template describes exactly what initialisation creates: every table and
   slot, with its shape, dtype and sharding."""
