@@ -54,8 +54,9 @@ FORMAT_VERSION = 1
 COMMIT_FILES = frozenset({"_CHECKPOINT_METADATA", "commit_success.txt"})
 _READ_BYTES = 16 << 20
 _SMALL_FILE = 1 << 20
-# Files sized, read or checksummed at once: a step has one file per chunk, and on
-# cloud storage each file's size and trailer is a request of its own.
+# Files of a cloud step sized, read or checksummed at once: a step has one file per
+# chunk, and there each file's size and trailer is a request of its own. (Local
+# files go one after the other: threads only add their overhead to a stat.)
 _IO_THREADS = 16
 
 Severity = Literal["error", "foreign"]
@@ -204,12 +205,12 @@ def build_manifest(step_dir: epath.Path) -> dict[str, FileEntry]:
       return FileEntry(path.stat().length, None, read_trailer(path))
     return FileEntry(path.stat().length, crc32c_of_file(path)[0])
 
-  return dict(zip(rels, _concurrently(entry, rels)))
+  return dict(zip(rels, _concurrently(step_dir, entry, rels)))
 
 
-def _concurrently(fn: Callable, items: list) -> list:
-  """[fn(item) for item in items], run on up to `_IO_THREADS` threads (file I/O)."""
-  if len(items) < 2:
+def _concurrently(step_dir: epath.Path, fn: Callable, items: list) -> list:
+  """[fn(item) for item in items] for the files of a step; on threads for a cloud path."""
+  if len(items) < 2 or "://" not in os.fspath(step_dir):
     return [fn(item) for item in items]
   with concurrent.futures.ThreadPoolExecutor(min(_IO_THREADS, len(items))) as pool:
     return list(pool.map(fn, items))
@@ -346,7 +347,7 @@ def check_step(
   checked = [(rel, entry) for rel, entry in sorted(files.items()) if selected(rel) and not (
       rel not in on_disk and link_in_path(step_dir, rel) is not None)]
   for found in _concurrently(
-      lambda check: _check_file(step_dir / check[0], check[0] in on_disk, check[1], depth,
+      step_dir, lambda check: _check_file(step_dir / check[0], check[0] in on_disk, check[1], depth,
                                 check[0], checksummed), checked):
     problems.extend(found)
   if wanted is None:
