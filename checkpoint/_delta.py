@@ -367,7 +367,7 @@ def prepare_save(directory: epath.Path, args, *, primary: bool):
   state = _save.state_manifest(args)
   rows = union_across_processes(check_rows(args.layout, delta.rows))
   manifest = DeltaManifest(int(delta.parent_step), int(delta.base_step), jax.process_count(),
-                           state, new_save_id(), delta.parent_id)
+                           state, args.save_id or new_save_id(), delta.parent_id)
   parts = snapshot(args, rows)
   return write(
       epath.Path(directory),

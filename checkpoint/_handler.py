@@ -66,7 +66,8 @@ class EmbeddingCheckpointHandler(ocp.AsyncCheckpointHandler):
     _storage.check_local_path(directory)  # Raised here, not by the background write.
     if args.delta is not None:  # Only the updated rows (checkpoint._delta).
       return _delta.prepare_save(epath.Path(directory), args, primary=self._is_primary())
-    manifest = dataclasses.replace(_save.state_manifest(args), save_id=new_save_id())
+    manifest = dataclasses.replace(_save.state_manifest(args),
+                                   save_id=args.save_id or new_save_id())
     blocks = _save.snapshot(args.tables, args.slots)
     return _save.write(
         epath.Path(directory), manifest, args.layout, blocks, primary=self._is_primary()
@@ -145,6 +146,9 @@ class EmbeddingSave(ocp.args.CheckpointArgs):
       they belong to, so that a restore into another optimizer with slots
       of the same names (Adam's into LaProp) is refused
       (`checkpoint._optimizers`). Stacks without slots may be left out.
+    save_id: the id this save records in its manifest (`_format`'s
+      "save_id"); None (default) draws a new one. A `CheckpointManager`
+      sets it, to remember which save its next delta goes on top of.
   """
 
   tables: Mapping[str, jax.Array]
@@ -154,6 +158,7 @@ class EmbeddingSave(ocp.args.CheckpointArgs):
   storage: StorageOptions = dataclasses.field(default_factory=StorageOptions)
   delta: _delta.Delta | None = None
   optimizers: Mapping[str, OptimizerSpec] | None = None
+  save_id: str | None = None
 
 
 @ocp.args.register_with_handler(EmbeddingCheckpointHandler, for_restore=True)

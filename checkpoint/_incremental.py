@@ -35,7 +35,7 @@ from checkpoint import _save
 from checkpoint._chain import continues_chain, delta_manifest, save_id_of, walk_chain
 from checkpoint._delta import Delta
 from checkpoint._errors import CheckpointError
-from checkpoint._format import MANIFEST_FILE
+from checkpoint._format import MANIFEST_FILE, new_save_id
 from checkpoint._handler import EmbeddingSave
 from checkpoint._rows_tracker import UpdatedRows
 from sc_framework._scalars import python_scalar_fields
@@ -129,6 +129,8 @@ class IncrementalSaves:
     self._parents: dict[int, int | None] = {}
     # (parent step, base step, deltas after the base) of the state last saved or restored.
     self._open: tuple[int, int, int] | None = None
+    # The save id of that state, as this manager saved or restored it (None: unknown).
+    self._open_id: str | None = None
     # When (time.monotonic()) a restore last opened the chain: a tracker older than that
     # holds rows changed since another state.
     self._restored_at: float | None = None
@@ -165,6 +167,8 @@ class IncrementalSaves:
     """
     if save_kind not in ("auto", "full", "delta"):
       raise ValueError(f"save_kind must be 'auto', 'full' or 'delta', got {save_kind!r}.")
+    # This save's id, remembered: the next delta records it as its parent's.
+    embedding = dataclasses.replace(embedding, save_id=embedding.save_id or new_save_id())
     if self._open is not None and not (self.item_dir(self._open[0]) / MANIFEST_FILE).exists():
       self._open = None  # The parent is gone (deleted, or its save failed): start a chain.
     if save_kind == "delta" and (self.policy is None or updated_rows is None or self._open is None):
@@ -200,7 +204,11 @@ class IncrementalSaves:
             " full checkpoint (save_kind='full' or 'auto')."
         )
       return embedding
-    parent_id = save_id_of(self.item_dir(parent))
+    # The save this manager wrote or restored, not whatever holds the step now: a
+    # step replaced since (another run's) then fails the delta's restore, never mixes.
+    parent_id = self._open_id
+    if parent_id is None:
+      parent_id = save_id_of(self.item_dir(parent))
     return dataclasses.replace(embedding, delta=Delta(rows, parent, base, parent_id))
 
   def _why_no_delta(self, step: int, updated_rows) -> str | None:
@@ -230,6 +238,7 @@ class IncrementalSaves:
       self._open = (step, args.delta.base_step, self._open[2] + 1)
     else:
       self._open = (step, step, 0)
+    self._open_id = args.save_id
 
   def not_started(self, step: int) -> None:
     """The save of `step` recorded by `starting` did not start (not due)."""
@@ -239,30 +248,43 @@ class IncrementalSaves:
     """A save (of `step`, if known) failed: it may be missing, so the next save starts a chain."""
     if step is not None:
       self._parents.pop(step, None)
-    self._open = None
+    self._open, self._open_id = None, None
 
   def restored(self, step: int) -> None:
     """The live state is now `step`'s: the next delta's parent is `step`."""
     chain = walk_chain(self.item_dir(step))
     self._open = (step, int(chain[0][0].parent.name), len(chain) - 1)
+    self._open_id = save_id_of(self.item_dir(step))
     self._restored_at = time.monotonic()
 
   def later_deltas_reading(self, step: int) -> list[int]:
-    """The steps after `step` on disk whose delta chains name `step` (reads manifests only).
+    """The steps after `step` on disk whose delta chains name `step` by number only.
 
-    A delta names its parent by number: a new step of that number would
-    silently become part of their chains.
+    Their delta on top of `step` records no parent id (written before ids
+    existed): a new step of that number would silently become part of their
+    chains. A delta that records its parent's id refuses any other save of
+    that number, so it is not listed. Reads manifests only.
     """
     later = sorted(int(child.name) for child in self._root.iterdir()
                    if child.name.isdigit() and int(child.name) > step)
     found = []
     for candidate in later:
-      parent = self.parent_of(candidate)
+      child, parent = candidate, self.parent_of(candidate)
       while parent is not None and parent > step:
-        parent = self.parent_of(parent)
-      if parent == step:
+        child, parent = parent, self.parent_of(parent)
+      if parent == step and _parent_id_of(self.item_dir(child)) is None:
         found.append(candidate)
     return found
+
+  def chain_steps(self, step: int) -> list[int]:
+    """The steps a restore of `step`'s embedding item reads, base first (manifests only).
+
+    [step] for a step without an embedding item or a full one; raises
+    `BrokenChainError` where the chain cannot be walked (see `broken`).
+    """
+    if not (self.item_dir(step) / MANIFEST_FILE).exists():
+      return [step]
+    return [int(link.parent.name) for link, _ in walk_chain(self.item_dir(step))]
 
   def broken(self, step: int) -> str | None:
     """Why a step's chain cannot be restored (reads manifests only), or None."""
@@ -273,6 +295,15 @@ class IncrementalSaves:
     except CheckpointError as error:
       return str(error)
     return None
+
+
+def _parent_id_of(item: epath.Path) -> str | None:
+  """The parent save id a delta item records, or None (none recorded, or unreadable)."""
+  try:
+    manifest = delta_manifest(item)
+  except CheckpointError:
+    return None
+  return None if manifest is None else manifest.parent_id
 
 
 def _check_tracker_layout(tracked: EmbeddingLayout, saved: EmbeddingLayout) -> None:

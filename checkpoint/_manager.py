@@ -247,6 +247,8 @@ class CheckpointManager:
       if embedding is not None and isinstance(embedding, EmbeddingSave):
         embedding = self._incremental.args_for(step, embedding, updated_rows, save_kind)
       args = self._composite(embedding, items, EmbeddingSave)
+      if force or self._manager.should_save(step):
+        self._set_aside_an_unrestorable_step(step)
       if (force or self._manager.should_save(step)) and step not in self.all_steps():
         self._refuse_a_step_saved_by_another_writer(step)
         self._refuse_a_step_later_deltas_read(step)
@@ -274,6 +276,23 @@ class CheckpointManager:
       else:
         tracker.take_back()
     return started
+
+  def _set_aside_an_unrestorable_step(self, step: int) -> None:
+    """A complete step `step` whose delta chain no longer restores is moved aside, kept.
+
+    E.g. a delta on a step that was damaged and saved again after a fall
+    back: every restore refuses it, and left in place it would stop every
+    later save of its number. It is renamed `<step>.incomplete-<k>`, with a
+    warning, as an incomplete step in the way of a save is.
+    """
+    if step not in self.all_steps():
+      return
+    why = self._why_chain_unrestorable(step)
+    if why is None:
+      return
+    if jax.process_index() == 0:
+      _steps.set_aside(self._directory / str(step), reason=why)
+    self._manager.reload()
 
   def _refuse_a_step_saved_by_another_writer(self, step: int) -> None:
     """Raises if a complete step `step` appeared on disk since this manager listed its steps.
@@ -372,7 +391,7 @@ class CheckpointManager:
     while candidates:
       candidate = candidates.pop(0)
       tried.add(candidate)
-      broken = self._incremental.broken(candidate)  # A delta whose chain lacks a link.
+      broken = self._why_chain_unrestorable(candidate)
       if broken is not None:
         _steps.warn_skipped(self._directory / str(candidate), broken.rstrip("."))
         continue
@@ -390,6 +409,27 @@ class CheckpointManager:
     if last_error is not None:
       raise last_error
     raise NotACheckpointError(f"{self._directory} holds no complete checkpoint to restore.")
+
+  def why_unrestorable(self, step: int) -> str | None:
+    """Why a listed step's delta chain cannot restore, or None (reads manifests only).
+
+    Its chain lacks a link, holds a replaced one, or needs a step that is
+    incomplete or damaged (skipped itself). A save of that step number moves
+    it aside (`save`), where a restorable step of that number is kept.
+    """
+    return self._why_chain_unrestorable(step)
+
+  def _why_chain_unrestorable(self, step: int) -> str | None:
+    """See `why_unrestorable`."""
+    broken = self._incremental.broken(step)
+    if broken is not None:
+      return broken
+    complete = set(self.all_steps())
+    skipped = [link for link in self._incremental.chain_steps(step)[:-1] if link not in complete]
+    if skipped:
+      return (f"its delta chain needs step {skipped[0]}, which is incomplete or damaged"
+              " (skipped itself)")
+    return None
 
   def _step_exists(self, step: int) -> bool:
     step_dir = self._directory / str(step)
@@ -495,7 +535,7 @@ class CheckpointManager:
         manifests existed); the message says how to adopt them.
     """
     for step in reversed(self.all_steps()):
-      broken = self._incremental.broken(step)  # A delta whose chain lacks a link.
+      broken = self._why_chain_unrestorable(step)
       if broken is None:
         return step
       _steps.warn_skipped(self._directory / str(step), broken.rstrip("."))

@@ -240,7 +240,7 @@ def remove_unfinished_saves(directory: epath.PathLike) -> list[epath.Path]:
   return removed
 
 
-def set_aside(step_dir: epath.Path) -> epath.Path | None:
+def set_aside(step_dir: epath.Path, reason: str | None = None) -> epath.Path | None:
   """Renames an entry that occupies a step's name but is not a complete step.
 
   A save of that step would otherwise fail (or, for an empty directory,
@@ -259,7 +259,8 @@ def set_aside(step_dir: epath.Path) -> epath.Path | None:
   step_dir.rename(target)
   warnings.warn(
       f"{step_dir} was in the way of saving step {step_dir.name} and is not a complete step"
-      f" ({manifest_problem(target) or 'unknown'}); it was moved, unchanged, to {target}."
+      f" ({reason or manifest_problem(target) or 'unknown'}); it was moved, unchanged, to"
+      f" {target}."
       " Remove it yourself if it is not needed.",
       RuntimeWarning,
       stacklevel=3,

@@ -179,8 +179,8 @@ class TrainerCheckpoints:
         (preprocessed buffers) only for a batch restored from a layout-specific checkpoint,
         which is then written in that format again.
     """
-    if step in self._manager.all_steps():
-      return False
+    if step in self._manager.all_steps() and self._manager.why_unrestorable(step) is None:
+      return False  # Saved already (a delta step that no longer restores is saved again).
     meta = {
         "format": FORMAT,
         "step": step,

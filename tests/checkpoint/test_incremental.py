@@ -571,9 +571,25 @@ def test_a_step_below_the_last_saved_is_saved_in_full(tmp_path):
   _assert_state(_restored_tables(tmp_path, 3), model)
 
 
-def test_a_step_that_later_deltas_name_is_not_saved_again(tmp_path):
-  """Step 3 of a chain 0..5 deleted, the run resumed at 2 and saved 3 again:
-  deltas 4 and 5 read the new step 3 and restored a mix of two runs."""
+def _strip_parent_ids(root, steps):
+  """Makes deltas as written before save ids existed (their integrity manifests redone)."""
+  for step in steps:
+    path = root / str(step) / "embedding" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest.pop("parent_id", None)
+    path.write_text(json.dumps(manifest))
+    integrity.write_manifest(epath.Path(root / str(step)))
+
+
+@pytest.mark.filterwarnings("ignore:checkpoint step .* is skipped:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:.* was in the way of saving step:RuntimeWarning")
+@pytest.mark.parametrize("with_ids", [True, False])
+def test_a_step_that_later_deltas_name_is_saved_again_only_where_they_record_its_id(tmp_path,
+                                                                                  with_ids):
+  """Step 3 of a chain 0..5 deleted, the run resumed at 2 and saved 3 again: deltas 4 and 5
+  read the new step 3 and restored a mix of two runs. Deltas that record their parent's save
+  id refuse the new step 3 (and a save of 4 moves the old one aside); older ones, which name
+  it by number only, make that save refused."""
   model = make_model(SPECS, seed=20)
   layout = model.layout([["a", "b"], ["c"]], 1, 1)
   rng, tracker = np.random.default_rng(21), ck.UpdatedRows(layout)
@@ -588,17 +604,61 @@ def test_a_step_that_later_deltas_name_is_not_saved_again(tmp_path):
                       {k: {s: v.copy() for s, v in slots.items()}
                        for k, slots in model.slots.items()})
   shutil.rmtree(tmp_path / "3")
+  if not with_ids:
+    _strip_parent_ids(tmp_path, [4, 5])
   with ck.CheckpointManager(tmp_path, keep_latest=10, incremental=policy) as mngr:
+    assert mngr.latest_step() == 2  # 5 and 4 need the missing step 3
     mngr.restore(2, ck.EmbeddingRestore(layout, make_mesh(1), AXIS))
     model.logical, model.slots = states[2]  # the live state is step 2's again
     tracker = ck.UpdatedRows(layout)
     touch_rows(model, layout, tracker, rng, 0.1)
-    with pytest.raises(ValueError, match=r"cannot save step 3 .*the delta steps \[4, 5\] name"
-                       r" step 3 in their chains"):
-      _save(mngr, 3, model, layout, tracker)
-    assert not (tmp_path / "3").exists()
-    _save(mngr, 6, model, layout, tracker)
-  _assert_state(_restored_tables(tmp_path, 6), model)
+    if not with_ids:
+      with pytest.raises(ValueError, match=r"cannot save step 3 .*the delta steps \[4, 5\] name"
+                         r" step 3 in their chains"):
+        _save(mngr, 3, model, layout, tracker)
+      assert not (tmp_path / "3").exists()
+      _save(mngr, 6, model, layout, tracker)
+      _assert_state(_restored_tables(tmp_path, 6), model)
+      return
+    _save(mngr, 3, model, layout, tracker)
+    for step in (4, 5):
+      with pytest.raises(ck.BrokenChainError, match=f"delta step 4 was saved on top of save"):
+        _restored_tables(tmp_path, step)
+    assert mngr.latest_step() == 3
+    touch_rows(model, layout, tracker, rng, 0.1)
+    _save(mngr, 4, model, layout, tracker)  # the old step 4 is moved aside, kept
+  assert (tmp_path / "4.incomplete-0").exists()
+  _assert_state(_restored_tables(tmp_path, 4), model)
+  assert ck.inspect(tmp_path / "4")["embedding"]["chain"][-1]["kind"] == "delta"
+
+
+@pytest.mark.filterwarnings("ignore:checkpoint step .* is skipped:RuntimeWarning")
+def test_a_delta_saved_after_its_parent_was_replaced_is_refused_not_mixed(tmp_path):
+  """The manager records the id of the save it wrote, not of what holds the step when
+  the next delta is saved: another run's step 2 copied in between made delta 3 restore
+  that run's state plus this run's rows."""
+  model = make_model(SPECS, seed=40)
+  layout = model.layout([["a", "b"], ["c"]], 1, 1)
+  rng, tracker = np.random.default_rng(41), ck.UpdatedRows(layout)
+  policy = ck.IncrementalPolicy(max_delta_share=1.0)
+  other = make_model(SPECS, seed=42)  # another run, saving in full
+  with ck.CheckpointManager(tmp_path / "other", keep_latest=10) as mngr:
+    _save(mngr, 2, other, layout)
+  root = tmp_path / "run"
+  with ck.CheckpointManager(root, keep_latest=10, incremental=policy) as mngr:
+    for step in range(3):
+      if step:
+        touch_rows(model, layout, tracker, rng, 0.1)
+      _save(mngr, step, model, layout, tracker)
+    shutil.rmtree(root / "2")
+    shutil.copytree(tmp_path / "other" / "2", root / "2")
+    touch_rows(model, layout, tracker, rng, 0.1)
+    _save(mngr, 3, model, layout, tracker)
+    with pytest.raises(ck.BrokenChainError, match="delta step 3 was saved on top of save"):
+      _restored_tables(root, 3)
+    assert mngr.latest_step() == 2
+  errors = [p for p in ck.verify(root) if p.severity == "error"]
+  assert any("delta step 3 was saved on top of save" in p.message for p in errors), errors
 
 
 def test_a_tracker_older_than_a_restore_gives_a_full_save(tmp_path):
