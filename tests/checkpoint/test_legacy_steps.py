@@ -72,7 +72,8 @@ def test_adopt_refuses_an_array_whose_metadata_no_restore_can_read(tmp_path, cap
   metadata without its crc32c codec, of other chunks, or deleted passed them, the adopted
   step then passed plain verify, and every restore failed."""
   _legacy_root(tmp_path)
-  metadata = tmp_path / "5" / "embedding" / "stacks" / "a__b" / "slots" / "accumulator" / "zarr.json"
+  stack = tmp_path / "5" / "embedding" / "stacks" / "a__b"
+  metadata = stack / "slots" / "accumulator" / "zarr.json"
   if damage == "missing":
     metadata.unlink()
   else:
