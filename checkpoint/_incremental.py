@@ -279,22 +279,15 @@ class IncrementalSaves:
   def chain_steps(self, step: int) -> list[int]:
     """The steps a restore of `step`'s embedding item reads, base first (manifests only).
 
-    [step] for a step without an embedding item or a full one; raises
-    `BrokenChainError` where the chain cannot be walked (see `broken`).
+    [step] for a step without an embedding item or a full one.
+
+    Raises:
+      CheckpointError: the chain cannot be walked (a link is missing,
+        unreadable or replaced: `BrokenChainError`).
     """
     if not (self.item_dir(step) / MANIFEST_FILE).exists():
       return [step]
     return [int(link.parent.name) for link, _ in walk_chain(self.item_dir(step))]
-
-  def broken(self, step: int) -> str | None:
-    """Why a step's chain cannot be restored (reads manifests only), or None."""
-    if not (self.item_dir(step) / MANIFEST_FILE).exists():
-      return None  # No embedding item: nothing to chain.
-    try:
-      walk_chain(self.item_dir(step))
-    except CheckpointError as error:
-      return str(error)
-    return None
 
 
 def _parent_id_of(item: epath.Path) -> str | None:

@@ -39,7 +39,12 @@ from orbax.checkpoint import checkpoint_managers as policies
 
 from checkpoint import _integrity, _steps, _storage
 from checkpoint._compact import finish_interrupted_compactions
-from checkpoint._errors import CorruptCheckpointError, MissingItemError, NotACheckpointError
+from checkpoint._errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    MissingItemError,
+    NotACheckpointError,
+)
 from checkpoint._handler import (
     EmbeddingCheckpointHandler,
     EmbeddingRestore,
@@ -287,7 +292,7 @@ class CheckpointManager:
     """
     if step not in self.all_steps():
       return
-    why = self._why_chain_unrestorable(step)
+    why = self.why_unrestorable(step)
     if why is None:
       return
     if jax.process_index() == 0:
@@ -391,7 +396,7 @@ class CheckpointManager:
     while candidates:
       candidate = candidates.pop(0)
       tried.add(candidate)
-      broken = self._why_chain_unrestorable(candidate)
+      broken = self.why_unrestorable(candidate)
       if broken is not None:
         _steps.warn_skipped(self._directory / str(candidate), broken.rstrip("."))
         continue
@@ -417,15 +422,12 @@ class CheckpointManager:
     incomplete or damaged (skipped itself). A save of that step number moves
     it aside (`save`), where a restorable step of that number is kept.
     """
-    return self._why_chain_unrestorable(step)
-
-  def _why_chain_unrestorable(self, step: int) -> str | None:
-    """See `why_unrestorable`."""
-    broken = self._incremental.broken(step)
-    if broken is not None:
-      return broken
+    try:
+      links = self._incremental.chain_steps(step)
+    except CheckpointError as error:  # A link is missing, unreadable or replaced.
+      return str(error)
     complete = set(self.all_steps())
-    skipped = [link for link in self._incremental.chain_steps(step)[:-1] if link not in complete]
+    skipped = [link for link in links[:-1] if link not in complete]
     if skipped:
       return (f"its delta chain needs step {skipped[0]}, which is incomplete or damaged"
               " (skipped itself)")
@@ -535,7 +537,7 @@ class CheckpointManager:
         manifests existed); the message says how to adopt them.
     """
     for step in reversed(self.all_steps()):
-      broken = self._why_chain_unrestorable(step)
+      broken = self.why_unrestorable(step)
       if broken is None:
         return step
       _steps.warn_skipped(self._directory / str(step), broken.rstrip("."))
