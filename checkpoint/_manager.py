@@ -15,7 +15,8 @@ crc32c checksums, verified as they are read) and raises
 CorruptCheckpointError naming the file. `latest_step` skips, with a
 warning, a newest step whose files are missing, truncated or linked, and
 `restore(None)` falls back to the previous step when the newest one is
-corrupt; a step asked for by number is never replaced. Entries of the root
+corrupt; a step asked for by number is never replaced, but once a restore
+found it damaged, `latest_step` skips it too. Entries of the root
 or of a step that the manager did not write are named in a warning and left
 alone.
 
@@ -157,6 +158,7 @@ class CheckpointManager:
     if incremental is not None and not isinstance(incremental, IncrementalPolicy):
       raise TypeError(f"incremental must be an IncrementalPolicy or None, got {incremental!r}.")
     self._incremental = IncrementalSaves(incremental, self._directory, embedding_item)
+    self._damaged = _steps.DamagedSteps(self._directory)
     self._read_only = read_only
     if not read_only:
       # Compactions first: a killed one leaves `<step>.compacting` plus a temporary
@@ -254,6 +256,7 @@ class CheckpointManager:
       args = self._composite(embedding, items, EmbeddingSave)
       if force or self._manager.should_save(step):
         self._set_aside_an_unrestorable_step(step)
+        self._damaged.forget(step)
       if (force or self._manager.should_save(step)) and step not in self.all_steps():
         self._refuse_a_step_saved_by_another_writer(step)
         self._refuse_a_step_later_deltas_read(step)
@@ -380,9 +383,11 @@ class CheckpointManager:
     try:
       return self._restore_verified(step, args, embedding)
     except Exception as error:
-      if self._step_exists(step):
-        raise
-      raise self._deleted_while_restoring(step) from error
+      if not self._step_exists(step):
+        raise self._deleted_while_restoring(step) from error
+      if isinstance(error, CorruptCheckpointError):
+        self.mark_damaged(step, str(error))
+      raise
 
   def _restore_latest(self, args: ocp.args.Composite, embedding) -> dict[str, Any]:
     """Restores the newest complete step that restores, skipping damaged ones (warned).
@@ -409,6 +414,7 @@ class CheckpointManager:
           continue
         if not isinstance(error, CorruptCheckpointError):
           raise
+        self.mark_damaged(candidate, str(error))
         last_error = error
         _steps.warn_skipped(self._directory / str(candidate), str(error).rstrip("."))
     if last_error is not None:
@@ -416,22 +422,41 @@ class CheckpointManager:
     raise NotACheckpointError(f"{self._directory} holds no complete checkpoint to restore.")
 
   def why_unrestorable(self, step: int) -> str | None:
-    """Why a listed step's delta chain cannot restore, or None (reads manifests only).
+    """Why a listed step cannot restore, or None (reads manifests only).
 
-    Its chain lacks a link, holds a replaced one, or needs a step that is
-    incomplete or damaged (skipped itself). A save of that step number moves
-    it aside (`save`), where a restorable step of that number is kept.
+    A restore found it damaged (`mark_damaged`), or its delta chain lacks a
+    link, holds a replaced one, or needs a step that is incomplete or
+    damaged (skipped itself). `latest_step` and `restore(None)` skip such a
+    step, and a save of its number moves it aside (`save`), where a
+    restorable step of that number is kept.
     """
+    damaged = self._damaged.why(step)
+    if damaged is not None:
+      return f"a restore found it damaged: {damaged.rstrip('.')}"
     try:
       links = self._incremental.chain_steps(step)
     except CheckpointError as error:  # A link is missing, unreadable or replaced.
       return str(error)
     complete = set(self.all_steps())
-    skipped = [link for link in links[:-1] if link not in complete]
+    skipped = [link for link in links[:-1]
+               if link not in complete or self._damaged.why(link) is not None]
     if skipped:
       return (f"its delta chain needs step {skipped[0]}, which is incomplete or damaged"
               " (skipped itself)")
     return None
+
+  def mark_damaged(self, step: int, why: str) -> None:
+    """Treats step `step` as damaged from now on, in this manager: it no longer restores.
+
+    A restore that finds a file of a step failing its checks (a chunk whose
+    checksum fails, which listing a step cannot see) marks the step itself.
+    Mark one yourself when another process found it damaged, so that every
+    process skips it alike. A marked step is skipped by `latest_step` and
+    `restore(None)` (with a warning), as are the deltas whose chains need
+    it, and a save of its number moves it aside to `<step>.incomplete-<k>`
+    (kept). A step saved again under that number is not marked.
+    """
+    self._damaged.add(step, why)
 
   def _step_exists(self, step: int) -> bool:
     step_dir = self._directory / str(step)
@@ -529,7 +554,8 @@ class CheckpointManager:
     missing, truncated or linked, metadata files corrupt; see
     `_steps.manifest_problem`) is named in a warning and skipped, so a
     Trainer resumes from the previous complete step. So is a delta step
-    whose chain lacks a link (`BrokenChainError` names it on restore).
+    whose chain lacks a link (`BrokenChainError` names it on restore), and
+    a step a restore found damaged (`mark_damaged`).
 
     Raises:
       NotACheckpointError: no step is complete but some steps have no

@@ -25,6 +25,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+import google_crc32c
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
@@ -98,6 +99,46 @@ def warn_skipped(step_dir: epath.Path, why: str) -> None:
       RuntimeWarning,
       stacklevel=3,
   )
+
+
+class DamagedSteps:
+  """Steps a restore found damaged (a file failing its checksum), as this process last saw them.
+
+  Listing a step reads its manifests and file sizes, not its contents: a
+  flipped byte in a chunk shows only when the chunk is read. Once a restore
+  has met it, the step is recorded here, so that the manager skips it as it
+  skips an incomplete step. A record holds the CRC32C of the step's
+  `integrity.json`: a step saved again under that number (by this or another
+  writer) is another save, and the record no longer applies to it.
+  """
+
+  def __init__(self, directory: epath.Path):
+    self._directory = directory
+    self._why: dict[int, tuple[str, int | None]] = {}
+
+  def _fingerprint(self, step: int) -> int | None:
+    try:
+      data = (self._directory / str(step) / _integrity.INTEGRITY_FILE).read_bytes()
+    except OSError:
+      return None
+    return google_crc32c.value(data)
+
+  def add(self, step: int, why: str) -> None:
+    self._why[step] = (why, self._fingerprint(step))
+
+  def why(self, step: int) -> str | None:
+    """Why `step` was found damaged, or None (never, or saved again since)."""
+    if step not in self._why:
+      return None
+    why, fingerprint = self._why[step]
+    if fingerprint is not None and fingerprint != self._fingerprint(step):
+      del self._why[step]  # Another save of that number.
+      return None
+    return why
+
+  def forget(self, step: int) -> None:
+    """`step` is being saved again."""
+    self._why.pop(step, None)
 
 
 class CompleteSteps:

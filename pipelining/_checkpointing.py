@@ -150,6 +150,10 @@ class TrainerCheckpoints:
     self._manager.reload()
     return self._manager.latest_step()
 
+  def mark_damaged(self, step: int, why: str) -> None:
+    """`step` no longer restores: `latest_step` skips it, a save of its number replaces it."""
+    self._manager.mark_damaged(step, why)
+
   def read_meta(self, step: int) -> dict[str, Any]:
     meta = self._manager.restore(step, items={"meta": ocp.args.JsonRestore()})["meta"]
     if not isinstance(meta, dict) or meta.get("format") not in _FORMATS:

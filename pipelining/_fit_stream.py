@@ -47,8 +47,15 @@ class FitStream:
                loop_data: Callable[[], Mapping[str, Any] | None]):
     self._fit_data, self._train_data, self._epochs = fit_data, train_data, epochs
     self._take, self._ends, self._loop_data = take, ends, loop_data
+    self._position, self._at_end = position, at_end
+    self._after_interruption = False
+
+    def start_position(after_interruption: bool) -> dict[str, Any]:
+      self._after_interruption = after_interruption
+      return position(after_interruption)
+
     self._prefetcher, self.continued = fit_data.open(
-        train_data, epochs, can_continue=can_continue, position=position, at_end=at_end)
+        train_data, epochs, can_continue=can_continue, position=start_position, at_end=at_end)
     self._data_ended = False
     self._last_taken: Prepared | None = None
     self._position_before: Mapping[str, Any] | None = None
@@ -61,6 +68,23 @@ class FitStream:
     if prepared is not None:
       self._last_taken, self._position_before = prepared, self._loop_data()
     return prepared
+
+  def reopen(self) -> None:
+    """Opens the stream again at `position`, before the loop started.
+
+    The checkpoint the fit resumes changed (the one it first chose was
+    damaged): the stream starts at the data position of the one it resumes
+    now. The batches taken so far are dropped; they are read again.
+    """
+    if self._started:
+      raise RuntimeError("the fit's loop started: its stream cannot start over.")
+    self._prefetcher.close()
+    after_interruption = self._after_interruption
+    self._prefetcher, self.continued = self._fit_data.open(
+        self._train_data, self._epochs, can_continue=False,
+        position=lambda _: self._position(after_interruption), at_end=self._at_end)
+    self._data_ended = False
+    self._last_taken = self._position_before = None
 
   def start(self, first: Prepared | None) -> None:
     """The loop starts from the Trainer's loop state (as a restore left it) with `first`."""

@@ -16,6 +16,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from checkpoint import CorruptCheckpointError
 from pipelining._agreement import check_same_setup, check_same_shapes, every_process_has
 from pipelining._batch_check import (
     BatchChecker,
@@ -374,8 +375,8 @@ class Trainer:
          for f in self.plan.feature_specs},
         example,
     )
-    train, saved, data = self._checkpoints.restore(
-        step, self._state_template() if self.state is None else self.state, template)
+    train, saved, data = self._restore_agreed(step, lambda: self._checkpoints.restore(
+        step, self._state_template() if self.state is None else self.state, template))
     in_flight, ids = None, None
     if isinstance(saved, SavedInFlight):
       # Preprocessed again for this layout, from this process's samples.
@@ -391,6 +392,24 @@ class Trainer:
     self._loop = LoopState(train, in_flight, ids, own_position(data))
     self._state_only_from = None
     history.resumed_from = step
+
+  def _restore_agreed(self, step: int, restore: Callable[[], Any]) -> Any:
+    """`restore()` of checkpoint step `step`, unless some process found the step damaged.
+
+    Listing a step reads no chunk: a chunk failing its checksum (a flipped
+    byte) shows only when the step is restored. Then every process marks
+    the step damaged, so that the next `latest_step` skips it (warning), and
+    `_DamagedStep` tells the caller to take the step before it.
+    """
+    try:
+      restored, error = restore(), None
+    except CorruptCheckpointError as raised:
+      restored, error = None, raised
+    if self._any_process(error is not None)[0]:
+      why = str(error) if error is not None else "another process found it damaged"
+      self._checkpoints.mark_damaged(step, why)
+      raise _DamagedStep(step, why) from error
+    return restored
 
   def initialize(self, example_batch: Any) -> TrainState:
     """Creates the state (tables, dense parameters, optimizer state) now.
@@ -524,7 +543,12 @@ class Trainer:
     progress = None
     try:
       first = stream.next_batch()
-      if not self._start(first, train_data, history):
+      started = self._start_or_fall_back(first, train_data, history)
+      while isinstance(started, _DamagedStep):
+        stream.reopen()  # at the data position of the step fit falls back to
+        first = stream.next_batch()
+        started = self._start_or_fall_back(first, train_data, history)
+      if not started:
         history.final_step = 0 if self.state is None else int(self.state.step)
         return history
       stream.start(first)
@@ -566,6 +590,31 @@ class Trainer:
           callback.on_fit_end(self, history)
       finally:
         restore_handlers(previous_handlers)
+
+  def _start_or_fall_back(self, first: Prepared | None, train_data: Iterable[Any],
+                          history: History) -> bool | _DamagedStep:
+    """`_start`, or the damaged step it could not resume: fit resumes an older one instead.
+
+    The stream started at the damaged step's data position; it starts again
+    at the older step's, which a one-shot iterator can only do through its
+    `set_state` (else raised, telling what to pass on the next fit).
+    """
+    try:
+      return self._start(first, train_data, history)
+    except _DamagedStep as damaged:
+      older = self._resume_step()
+      if not isinstance(train_data, Iterator) or (
+          older is not None and hasattr(train_data, "set_state")):
+        return damaged
+      resumes = "from the beginning (no older step restores)" if older is None else (
+          f"the step before it ({older}), whose data position is earlier")
+      raise CorruptCheckpointError(
+          f"checkpoint step {damaged.step} is damaged, so fit resumes {resumes}; but"
+          " train_data is a one-shot iterator, already advanced to the damaged step's"
+          " position, and it cannot go back. Call fit again with a new iterator of the data"
+          " from its beginning (this Trainer skips the damaged step now). Why step"
+          f" {damaged.step} is damaged: {damaged.why}"
+      ) from damaged
 
   def _start(self, first: Prepared | None, train_data: Iterable[Any], history: History) -> bool:
     """Builds the steps and restores the latest checkpoint; False when there is nothing to fit."""
@@ -674,12 +723,17 @@ class Trainer:
     initial values. Only the train state is restored: fit later resumes the
     same checkpoint with its in-flight batch and data position.
     """
-    step = None if self._checkpoints is None else self._checkpoints.latest_step()
-    if step is None or (self.state is not None and int(self.state.step) >= step):
+    while True:
+      step = None if self._checkpoints is None else self._checkpoints.latest_step()
+      if step is None or (self.state is not None and int(self.state.step) >= step):
+        return
+      try:
+        self.state = self._restore_agreed(step, lambda: self._checkpoints.restore_state(
+            step, self._state_template() if self.state is None else self.state))
+      except _DamagedStep:
+        continue  # marked damaged: latest_step now skips it
+      self._state_only_from = step
       return
-    self.state = self._checkpoints.restore_state(
-        step, self._state_template() if self.state is None else self.state)
-    self._state_only_from = step
 
   def _next(self, prefetcher: Prefetcher) -> Prepared | None:
     """The next prepared batch, or None when the data of any process ended.
@@ -898,6 +952,14 @@ def _per_sample(predictions: Any, batch_size: int, what: str) -> Any:
           " scalar such as a temperature can live in its parameters instead)."
       )
   return predictions
+
+
+class _DamagedStep(Exception):
+  """The checkpoint step a Trainer was restoring is damaged (marked so: `_restore_agreed`)."""
+
+  def __init__(self, step: int, why: str):
+    super().__init__(f"checkpoint step {step} is damaged: {why}")
+    self.step, self.why = step, why
 
 
 def _warn_data_ended_elsewhere() -> None:

@@ -76,6 +76,38 @@ def test_restore_none_falls_back_past_a_corrupt_chunk_but_an_explicit_step_raise
 
 
 @pytest.mark.filterwarnings("ignore:checkpoint step .* is skipped:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:.* was in the way of saving step:RuntimeWarning")
+def test_a_step_a_restore_found_damaged_is_skipped_until_it_is_saved_again(root, template):
+  """Listing a step reads no chunk: a flipped byte shows only when restored, and
+  latest_step kept naming the step (a Trainer resumed it and raised, every time)."""
+  chunk = fault_lib.TARGETS["table chunk"](root / "2")
+  fault_lib._flip(chunk)
+  layout = template.layout
+  restore = ck.EmbeddingRestore(layout, make_mesh(layout.num_devices), AXIS)
+  with ck.CheckpointManager(root, read_only=True) as reader, ck.CheckpointManager(root) as writer:
+    assert writer.latest_step() == 2 and writer.why_unrestorable(2) is None
+    with pytest.raises(ck.CorruptCheckpointError, match=str(chunk)):
+      writer.restore(2, restore)
+    reader.mark_damaged(2, "found damaged by another process")
+    for mngr, why in ((writer, str(chunk)), (reader, "another process")):
+      assert why in mngr.why_unrestorable(2)
+      with pytest.warns(RuntimeWarning, match=f"{root / '2'} is skipped.*{why}"):
+        assert mngr.latest_step() == 1
+    # Saved again: the damaged step is moved aside (kept) and the new one is a checkpoint
+    # again, also for the manager that only marked the old one.
+    model, _, tables, slots, *_ = fault_lib._step_state(2)
+    assert writer.save(2, ck.EmbeddingSave(tables, slots, layout, model.slot_specs(layout)),
+                       force=True)
+    writer.wait_until_finished()
+    assert (root / "2.incomplete-0" / "integrity.json").exists()
+    for mngr in (writer, reader):
+      mngr.reload()
+      assert mngr.why_unrestorable(2) is None and mngr.latest_step() == 2
+    restored = reader.restore(None, restore)["embedding"]
+  assert_same_bits(restored.tables["a__b"], template.oracle[2]["tables"]["a__b"])
+
+
+@pytest.mark.filterwarnings("ignore:checkpoint step .* is skipped:RuntimeWarning")
 @pytest.mark.parametrize("mix", ["from another step", "swapped within the array"])
 def test_a_chunk_of_another_step_or_position_is_refused(root, template, mix):
   """Each such chunk carries a valid checksum of its own (a backup restore that mixed two

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from pipelining._data import DataStream
 
 
-class _Positioned:
+class Positioned:
   """An iterator over `items` with get_state/set_state (as grain's are)."""
 
   def __init__(self, items, at=0):
@@ -38,7 +38,7 @@ class _Dataset:
     self.items = items
 
   def __iter__(self):
-    return _Positioned(self.items)
+    return Positioned(self.items)
 
 
 def _drain(stream):
@@ -72,7 +72,7 @@ def test_a_resumed_stream_continues_the_uninterrupted_one_and_at_its_end_does_as
 
 def test_a_one_shot_iterator_resumed_at_its_end_stays_there():
   items = ["a", "b", "c"]
-  iterator = _Positioned(items, at=3)
+  iterator = Positioned(items, at=3)
   stream = DataStream(iterator, batches_consumed=3, position={"at": 3}, at_end="start_over")
   assert stream.resumed_at_end and _drain(stream) == []
 
