@@ -488,8 +488,11 @@ class CheckpointManager:
       requested = getattr(value, "item", None)
       restores_tree = isinstance(value, (ocp.args.StandardRestore, ocp.args.PyTreeRestore))
       if restores_tree and requested is not None:
-        _steps.check_dense_shapes(step_dir / name, name, requested)
-    restored = self._manager.restore(step, args=args)
+        _steps.check_dense_tree(step_dir / name, name, requested)
+    try:
+      restored = self._manager.restore(step, args=args)
+    except ValueError as error:
+      raise _steps.other_tree_error(error, f"checkpoint step {step} ({step_dir})") from error
     if isinstance(embedding, EmbeddingRestore):
       self._incremental.restored(step)
     return {name: restored[name] for name in args.keys()}

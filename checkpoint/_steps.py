@@ -13,7 +13,7 @@ interrupted saves (real directories named `<step>.orbax-checkpoint-tmp-<n>`);
 any other entry of the root, a link named like one included, is left alone
 and named in a warning.
 
-`check_dense_shapes` compares the stored shapes of an Orbax PyTree item with
+`check_dense_tree` compares the stored shapes of an Orbax PyTree item with
 the abstract tree a restore asks for, before Orbax reads anything.
 """
 
@@ -309,7 +309,7 @@ def set_aside(step_dir: epath.Path, reason: str | None = None) -> epath.Path | N
   return target
 
 
-def check_dense_shapes(item_dir: epath.Path, item: str, requested: Any) -> None:
+def check_dense_tree(item_dir: epath.Path, item: str, requested: Any) -> None:
   """Raises if an Orbax PyTree item stores other shapes than `requested` asks for.
 
   Args:
@@ -340,11 +340,72 @@ def check_dense_shapes(item_dir: epath.Path, item: str, requested: Any) -> None:
           f" asks for {tuple(shape)}"
       )
   if mismatches:
-    shown = "; ".join(mismatches[:5])
-    if len(mismatches) > 5:
-      shown += f"; and {len(mismatches) - 5} more"
     raise IncompatibleCheckpointError(
-        f"checkpoint {item_dir.parent}: item {item!r}: {shown}. The model's configuration (an"
-        " embedding or layer size) differs from the one that wrote the checkpoint: restore with"
-        " the original configuration, or start without this checkpoint."
+        f"checkpoint {item_dir.parent}: item {item!r}: {_first_five(mismatches)}. The model's"
+        " configuration (an embedding or layer size) differs from the one that wrote the"
+        " checkpoint: restore with the original configuration, or start without this"
+        " checkpoint."
     )
+  _check_same_arrays(item_dir, item, stored_flat, wanted_flat)
+
+
+_OTHER_TREE = "tree structures do not match"
+_PARTIAL_RESTORE_ADVICE = "If this mismatch is intentional, pass `partial_restore=True`"
+
+
+def other_tree_error(error: ValueError, where: str) -> Exception:
+  """Orbax's error for a tree of another structure (e.g. another optax optimizer's state,
+  which differs only in empty nodes), made an IncompatibleCheckpointError; other errors
+  are returned as they are.
+
+  `check_dense_tree` names differing arrays before anything is read; this
+  catches what it cannot see. Orbax's advice of `partial_restore` is dropped:
+  it would restore part of an optimizer's state.
+  """
+  message = str(error)
+  if _OTHER_TREE not in message:
+    return error
+  detail = message.split(_PARTIAL_RESTORE_ADVICE, 1)[0].strip()
+  return IncompatibleCheckpointError(
+      f"{where}: an item holds a tree of another structure than the restore asks for. The"
+      " model or its optimizer differs in structure from the ones that wrote the checkpoint"
+      " (another optax optimizer or chain of transformations, layers added or removed):"
+      f" restore with those, or start without this checkpoint. Orbax: {detail}"
+  )
+
+
+def _first_five(entries: list[str]) -> str:
+  shown = "; ".join(entries[:5])
+  return shown + (f"; and {len(entries) - 5} more" if len(entries) > 5 else "")
+
+
+def _check_same_arrays(item_dir: epath.Path, item: str, stored_flat: dict, wanted_flat: dict):
+  """Raises if the requested tree lacks arrays the item stores, or asks for ones it lacks.
+
+  Orbax raises then too, advising `partial_restore`; this names the arrays
+  and the likely cause (another optimizer: its state is another tree).
+  """
+  def arrays(flat):
+    return {key for key, leaf in flat.items() if getattr(leaf, "shape", None) is not None}
+
+  def names(keys):
+    return _first_five(sorted("/".join(map(str, key)) for key in keys))
+
+  unread = arrays(stored_flat) - set(wanted_flat)
+  absent = arrays(wanted_flat) - set(stored_flat)
+  if not unread and not absent:
+    return
+  differences = []
+  if unread:
+    differences.append(f"it stores {len(unread)} arrays the restore does not ask for"
+                       f" ({names(unread)})")
+  if absent:
+    differences.append(f"the restore asks for {len(absent)} arrays it does not store"
+                       f" ({names(absent)})")
+  raise IncompatibleCheckpointError(
+      f"checkpoint {item_dir.parent}: item {item!r} holds another tree than the restore asks"
+      f" for: {'; '.join(differences)}. The model or its optimizer differs in structure from"
+      " the ones that wrote the checkpoint (another optax optimizer or chain of"
+      " transformations, layers added or removed): restore with those, or start without this"
+      " checkpoint."
+  )

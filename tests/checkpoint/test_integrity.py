@@ -151,6 +151,23 @@ def test_a_dense_shape_mismatch_names_the_parameter_both_shapes_and_the_step(roo
       mngr.restore(2, items={"dense": ocp.args.StandardRestore(fault_lib._abstract(wanted))})
 
 
+def test_a_dense_item_of_another_optimizer_names_the_arrays_that_differ(root, template):
+  """It failed inside Orbax, advising `partial_restore` (half an optimizer's state)."""
+  params = template.oracle[2]["dense"]["params"]
+  wanted = {"params": params, "opt_state": optax.sgd(0.1, momentum=0.9).init(params),
+            "step": np.int32(0)}
+  with ck.CheckpointManager(root) as mngr:
+    with pytest.raises(ck.IncompatibleCheckpointError) as error:
+      mngr.restore(2, items={"dense": ocp.args.StandardRestore(fault_lib._abstract(wanted))})
+  message = str(error.value)
+  for part in (f"{root / '2'}: item 'dense' holds another tree",
+               "it stores 5 arrays the restore does not ask for (opt_state/0/count;"
+               " opt_state/0/mu/b; opt_state/0/mu/w; opt_state/0/nu/b; opt_state/0/nu/w)",
+               "the restore asks for 2 arrays it does not store (opt_state/0/trace/b;"
+               " opt_state/0/trace/w)", "another optax optimizer"):
+    assert part in message, message
+
+
 def test_unfinished_saves_are_removed_but_links_and_foreign_entries_are_left(root, tmp_path):
   (root / "7.orbax-checkpoint-tmp-123").mkdir()
   elsewhere = tmp_path / "elsewhere"
