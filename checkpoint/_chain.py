@@ -590,7 +590,8 @@ def _corrupt(delta: DeltaItem, stack: str, slot: str | None, error) -> CorruptCh
 
 
 def chain_summary(item: epath.PathLike) -> list[dict]:
-  """The chain of an item, base first: step, kind and, for deltas, rows per stack and layout.
+  """The chain of an item, base first: step, kind, save id and, for deltas, the parent's
+  step and id, rows per stack and layout (ids None where a checkpoint has none).
 
   A delta's layout is the one its job ran on (its rows are global rows of
   it); after an elastic restore it differs from its base's. It is given as
@@ -601,13 +602,13 @@ def chain_summary(item: epath.PathLike) -> list[dict]:
     step = path.parent.name
     entry: dict = {"step": int(step) if step.isdigit() else step, "path": str(path)}
     if manifest is None:
-      entry["kind"] = "full"
+      entry.update(kind="full", save_id=save_id_of(path))
     else:
       delta = DeltaItem(path, manifest)
       layout = {"num_devices": delta.layout.num_devices,
                 "shards_per_device": delta.layout.shards_per_device,
                 "stacks": {stack.name: list(stack.table_names) for stack in delta.layout.stacks}}
-      entry.update(kind="delta", parent_step=manifest.parent_step, rows=delta.num_rows,
-                   layout=layout)
+      entry.update(kind="delta", save_id=manifest.save_id, parent_step=manifest.parent_step,
+                   parent_id=manifest.parent_id, rows=delta.num_rows, layout=layout)
     out.append(entry)
   return out

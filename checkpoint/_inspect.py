@@ -14,7 +14,7 @@ from etils import epath
 
 from checkpoint._errors import NotACheckpointError
 from checkpoint._format import MANIFEST_FILE
-from checkpoint._chain import ChainReader, chain_summary, open_reader
+from checkpoint._chain import ChainReader, chain_summary, open_reader, save_id_of
 from checkpoint._integrity import is_link
 from checkpoint._optimizers import common_name
 from checkpoint._steps import manifest_problem
@@ -83,6 +83,7 @@ def describe_item(directory: epath.PathLike) -> dict[str, Any]:
   out: dict[str, Any] = {
       "path": str(epath.Path(directory)),
       "kind": manifest.kind,
+      "save_id": save_id_of(epath.Path(directory)),
       "storage": manifest.storage.to_dict(),
       "bytes": manifest.nbytes,
       "groups": groups,
@@ -185,6 +186,8 @@ def format_description(info: dict[str, Any]) -> str:
     lines.append(f"  embedding item: {info['embedding_item']}")
     info = info["embedding"]
   lines.append(f"embedding checkpoint ({info['kind']}) at {info['path']}: {_bytes(info['bytes'])}")
+  if info.get("save_id") is not None:
+    lines.append(f"  save id: {info['save_id']}")
   if "layout" in info:
     layout = info["layout"]
     whose = f" (of base step {info['chain'][0]['step']})" if "chain" in info else ""
@@ -199,12 +202,14 @@ def format_description(info: dict[str, Any]) -> str:
   )
   for link in info.get("chain", ()):
     if link["kind"] == "full":
-      lines.append(f"  chain: base step {link['step']} (full) at {link['path']}")
+      lines.append(f"  chain: base step {link['step']} (full) at {link['path']}"
+                   + _id_text(link["save_id"]))
     else:
       rows = ", ".join(f"{name}: {count}" for name, count in link["rows"].items())
       lines.append(
           f"  chain: delta step {link['step']} (parent {link['parent_step']}),"
-          f" {_delta_layout(link['layout'], info)}, rows {rows}"
+          f" {_delta_layout(link['layout'], info)}, rows {rows}" + _id_text(link["save_id"])
+          + ("" if link["parent_id"] is None else f", parent id {link['parent_id']}")
       )
   for group in info["groups"]:
     head = "stack" if info["kind"] == "stacked" else "table"
@@ -233,6 +238,10 @@ def format_description(info: dict[str, Any]) -> str:
           f" {_bytes(array['bytes']):>10}  chunk_rows={array['chunk_rows']}"
       )
   return "\n".join(lines)
+
+
+def _id_text(save_id: str | None) -> str:
+  return "" if save_id is None else f", id {save_id}"
 
 
 def _delta_layout(layout: dict[str, Any], info: dict[str, Any]) -> str:

@@ -373,6 +373,14 @@ def test_cli_inspects_converts_and_compacts_a_chain(tmp_path, capsys):
   info = ck.inspect(delta_root / "3")["embedding"]["chain"]
   assert [link["step"] for link in info] == [0, 1, 2, 3]
   assert info[1]["rows"]["a__b"] == 6 + 12 and info[1]["rows"]["c"] == 4
+  # Each link's id, and each delta's parent id, which is its parent's id.
+  ids = [link["save_id"] for link in info]
+  assert len(set(ids)) == 4 and all(ids)
+  assert [link["parent_id"] for link in info[1:]] == ids[:-1]
+  assert ck.inspect(delta_root / "3")["embedding"]["save_id"] == ids[-1]
+  assert f"save id: {ids[-1]}" in text
+  assert f"base step 0 (full) at {delta_root / '0' / 'embedding'}, id {ids[0]}" in text
+  assert f", id {ids[3]}, parent id {ids[2]}" in text
   # convert: a delta step becomes a full checkpoint in the target layout.
   assert cli.main(["convert", str(delta_root / "2"), str(tmp_path / "conv"), "--num-devices",
                    "4", "--groups", "separate", "--quiet"]) == 0
