@@ -228,18 +228,24 @@ def _common_slots(
     if tuple(specs) != tuple(first):
       raise SlotMismatchError(
           f"stack {stack.name!r} puts tables {first_name!r} and {name!r} together, but the"
-          f" checkpoint {reader.item} stores them with different optimizer slots"
-          f" ({list(first)}"
-          f" vs {list(specs)}): tables of one stack share one optimizer. Stack them apart, or pass"
-          " slot_specs with on_slot_mismatch='reset'."
+          f" checkpoint {reader.item} stores them with different optimizer slots:"
+          f" {first_name!r}{_trained_with(stored_optimizers[first_name])} keeps"
+          f" {_signature(first)}, {name!r}{_trained_with(stored_optimizers[name])} keeps"
+          f" {_signature(specs)} (name, width; None: the table's dimension). Tables of one"
+          f" stack share one optimizer. {_MIXED_ADVICE}"
       )
   conflict = _optimizers.conflict(stored_optimizers)
   if conflict is not None:
-    raise SlotMismatchError(
-        f"{_mixed_optimizers(reader, stack, conflict)} Stack them apart, or pass optimizers"
-        " with on_slot_mismatch='reset'."
-    )
+    raise SlotMismatchError(f"{_mixed_optimizers(reader, stack, conflict)} {_MIXED_ADVICE}")
   return tuple(first)
+
+
+# Tables of two optimizers in one target stack: what a conversion or a restore can do.
+_MIXED_ADVICE = (
+    "Stack them apart (other stacking groups: `--groups` of `sc-checkpoint convert`). Only a"
+    " restore can instead start the stack's slots anew, dropping the stored ones"
+    " (EmbeddingRestore with the target's optimizers and on_slot_mismatch='reset')."
+)
 
 
 def _common_dtype(reader, stack: StackLayout, names, slot: str | None, wanted) -> np.dtype:

@@ -403,7 +403,7 @@ class CheckpointManager:
       tried.add(candidate)
       broken = self.why_unrestorable(candidate)
       if broken is not None:
-        _steps.warn_skipped(self._directory / str(candidate), broken.rstrip("."))
+        _steps.warn_skipped(self._directory / str(candidate), broken)
         continue
       try:
         return self._restore_verified(candidate, args, embedding)
@@ -416,7 +416,7 @@ class CheckpointManager:
           raise
         self.mark_damaged(candidate, str(error))
         last_error = error
-        _steps.warn_skipped(self._directory / str(candidate), str(error).rstrip("."))
+        _steps.warn_skipped(self._directory / str(candidate), str(error))
     if last_error is not None:
       raise last_error
     raise NotACheckpointError(f"{self._directory} holds no complete checkpoint to restore.")
@@ -569,7 +569,7 @@ class CheckpointManager:
       broken = self.why_unrestorable(step)
       if broken is None:
         return step
-      _steps.warn_skipped(self._directory / str(step), broken.rstrip("."))
+      _steps.warn_skipped(self._directory / str(step), broken)
     unverified = _steps.unmanifested_steps(self._directory)
     if unverified:
       raise NotACheckpointError(_steps.unverified_steps_error(self._directory, unverified))

@@ -49,6 +49,7 @@ from checkpoint._inspect import format_description, inspect
 from checkpoint._layouts import layout_for_tables, parse_groups, relayout
 from checkpoint._reader import CheckpointReader, find_item
 from checkpoint._source import verify_source
+from checkpoint._steps import warn_skipped
 from checkpoint._storage import StorageOptions
 from checkpoint._verify import adopt_step, verify
 from sc_framework.cli_types import integer_at_least
@@ -192,12 +193,15 @@ def _target(args: argparse.Namespace, reader: CheckpointReader):
           "--unstacked takes no --layout, --num-devices, --shards-per-device or --groups."
       )
     return "unstacked"
-  if not flags and not args.layout and args.table_dtype is not None:
-    return reader.layout if reader.layout is not None else "unstacked"  # The dtype only.
+  recoded = args.table_dtype is not None or args.compression or args.checksum
+  if not flags and not args.layout and recoded:
+    # The dtype or chunk encoding only.
+    return reader.layout if reader.layout is not None else "unstacked"
   if not flags and not args.layout:
     raise ValueError(
         "choose a target: --layout FILE, --num-devices/--shards-per-device/--groups,"
-        " --unstacked, or --table-dtype alone (the source's layout in another dtype)."
+        " --unstacked, or --table-dtype, --compression or --checksum alone (the source's"
+        " layout in another dtype or encoding)."
     )
   base = reader.layout
   if args.layout:
@@ -276,6 +280,9 @@ def _source(path: str, quiet: bool) -> epath.Path:
         " directory of an embedding checkpoint or its embedding item."
     )
   latest = epath.Path(info["latest"]["path"])
+  for name, why in info["incomplete"].items():  # Newer steps skipped: said even when quiet.
+    if int(name.rsplit("_", 1)[-1]) > info["latest_step"]:
+      warn_skipped(src / name, why)
   if not quiet:
     print(f"{src} is a checkpoints root: converting its latest step {info['latest_step']}"
           f" ({latest})", file=sys.stderr, flush=True)
@@ -322,7 +329,8 @@ def _convert(args: argparse.Namespace) -> int:
   )
   if not args.quiet:
     print(
-        f"converting {reader.directory} -> {args.dst} ({description})", file=sys.stderr, flush=True
+        f"converting {src if item is None else item} -> {args.dst} ({description})",
+        file=sys.stderr, flush=True
     )
   start = time.perf_counter()
   written = convert(

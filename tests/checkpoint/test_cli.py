@@ -235,6 +235,33 @@ def test_convert_of_a_root_takes_its_latest_step(saved, tmp_path, capsys):
   assert f"Orbax checkpoint at {out}" in text and "step None" not in text
 
 
+def test_convert_of_a_root_names_a_newer_step_it_skips_even_when_quiet(saved, tmp_path, capsys):
+  """A damaged newest step was skipped silently: an older step was converted without a word."""
+  model, layout, root = saved
+  tables, slots = model.state(layout)
+  with ck.CheckpointManager(root) as mngr:
+    mngr.save(5, ck.EmbeddingSave(tables, slots, layout, model.slot_specs(layout)), force=True)
+  damaged = root / "5" / "embedding" / "layout.json"
+  damaged.write_bytes(damaged.read_bytes()[:-3])
+  assert main(["convert", str(root), str(tmp_path / "out"), "--unstacked", "--quiet"]) == 0
+  err = capsys.readouterr().err
+  assert err.startswith(f"sc-checkpoint convert: warning: checkpoint step {root / '5'} is"
+                        " skipped:"), err
+  assert str(damaged) in err and ".." not in err
+  _check(model, tmp_path / "out" / "embedding")
+
+
+def test_the_chunk_encoding_alone_keeps_the_layout(saved, tmp_path, capsys):
+  model, _, root = saved
+  assert main(["convert", str(root / "3"), str(tmp_path / "zstd"), "--compression", "zstd",
+               "--checksum", "none"]) == 0
+  assert f"converting {root / '3' / 'embedding'} -> " in capsys.readouterr().err
+  info = ck.inspect(tmp_path / "zstd")["embedding"]
+  assert info["storage"]["compression"] == "zstd" and info["storage"]["checksum"] == "none"
+  assert ck.inspect(tmp_path / "zstd")["embedding"]["layout"]["num_devices"] == 8
+  _check(model, tmp_path / "zstd" / "embedding")
+
+
 def test_usage_errors_exit_2(capsys):
   assert main(["frobnicate"]) == 2
   assert main(["convert"]) == 2

@@ -153,3 +153,23 @@ def test_merging_stacks_saved_with_different_optimizers_is_an_error(tmp_path):
   merged = stack_tables(same_optimizer, [["a", "b"]], 8)
   with pytest.raises(ck.SlotMismatchError, match="'a' and 'b'.*different optimizer slots"):
     _restore(path, merged)
+
+
+def test_a_conversion_merging_tables_of_two_optimizers_names_them_and_what_to_do(tmp_path):
+  """The message named SlotSpec reprs and advised `slot_specs`, which convert lacks."""
+  model = make_model([("a", 64, 16, Adagrad()), ("b", 64, 16, RowWiseAdagrad())])
+  layout = model.layout([["a"], ["b"]], 2)
+  tables, slots = model.state(layout)
+  optimizers = {"a": Adagrad(), "b": RowWiseAdagrad()}
+  with ck.CheckpointManager(tmp_path / "run") as mngr:
+    mngr.save(1, ck.EmbeddingSave(tables, slots, layout, optimizers=optimizers))
+  merged = stack_tables(
+      [FeatureSpec(f"f_{n}", TableSpec(n, 64, 16), (16,)) for n in ("a", "b")], [["a", "b"]], 2)
+  with pytest.raises(ck.SlotMismatchError) as error:
+    ck.convert(tmp_path / "run" / "1", tmp_path / "out", merged)
+  message = str(error.value)
+  for part in ("'a' (trained with 'adagrad') keeps [('accumulator', None)]",
+               "'b' (trained with 'rowwise_adagrad') keeps [('accumulator', 1)]",
+               "Stack them apart (other stacking groups: `--groups`", "on_slot_mismatch='reset'"):
+    assert part in message, message
+  assert "slot_specs" not in message and "SlotSpec(" not in message
