@@ -395,22 +395,28 @@ class Trainer:
     history.resumed_from = step
 
   def _restore_agreed(self, step: int, restore: Callable[[], Any]) -> Any:
-    """`restore()` of checkpoint step `step`, unless some process found the step damaged.
+    """`restore()` of checkpoint step `step`, unless the step is found damaged.
 
     Listing a step reads no chunk: a chunk failing its checksum (a flipped
-    byte) shows only when the step is restored. Then every process marks
-    the step damaged, so that the next `latest_step` skips it (warning), and
-    `_DamagedStep` tells the caller to take the step before it.
+    byte) shows only when the step is restored. With one process the step
+    is then marked damaged, so that the next `latest_step` skips it
+    (warning), and `_DamagedStep` tells the caller to take the step before
+    it. With several, each process reads its own part and only some see the
+    damage, while the others wait for them inside the restore: the error is
+    raised (the job fails fast), telling what to do before a restart.
     """
     try:
-      restored, error = restore(), None
-    except CorruptCheckpointError as raised:
-      restored, error = None, raised
-    if self._any_process(error is not None)[0]:
-      why = str(error) if error is not None else "another process found it damaged"
-      self._checkpoints.mark_damaged(step, why)
-      raise _DamagedStep(step, why) from error
-    return restored
+      return restore()
+    except CorruptCheckpointError as error:
+      if jax.process_count() > 1:
+        raise CorruptCheckpointError(
+            f"{error} Checkpoint step {step} is damaged. A job of several processes cannot"
+            " skip it on its own (each process reads its own part of it): move the step out"
+            f" of {self._checkpoints.directory} (or repair it), then restart the job; it"
+            " resumes the newest step that restores."
+        ) from error
+      self._checkpoints.mark_damaged(step, str(error))
+      raise _DamagedStep(step, str(error)) from error
 
   def initialize(self, example_batch: Any) -> TrainState:
     """Creates the state (tables, dense parameters, optimizer state) now.

@@ -121,6 +121,26 @@ def test_checkpoint_of_two_by_four_resumes_in_four_processes_of_two(two_by_four,
   assert_states_close(dict(np.load(tmp_path / "state.npz")), state_arrays(reference))
 
 
+def test_a_chunk_failing_its_checksum_in_one_process_fails_the_job_saying_what_to_do(
+    two_by_four, tmp_path):
+  """Only the process reading the chunk sees the damage while the other waits for it inside
+  the restore: the job fails fast, telling to move the step away, instead of hanging."""
+  workdir = tmp_path / "workdir"
+  shutil.copytree(two_by_four / "workdir", workdir)
+  item = workdir / "checkpoints" / str(STOP_AT) / "embedding"
+  chunk = sorted(item.glob("stacks/*/table/c/*/*"))[-1]  # a shard of process 1's devices
+  data = bytearray(chunk.read_bytes())
+  data[len(data) // 2] ^= 0x5A
+  chunk.write_bytes(bytes(data))
+  config = {"out": str(tmp_path), "workdir": str(workdir), "batches": BATCHES, "seed": SEED,
+            "timeout_s": 30, "heartbeat_timeout_s": 5}
+  outcomes = launch(2, 4, config, str(tmp_path / "logs"), timeout_s=90)
+  assert all(o.returncode not in (0, None) for o in outcomes), describe(outcomes)
+  assert any(str(chunk) in o.stderr and "A job of several processes cannot skip it on its own"
+             " (each process reads its own part of it): move the step out of" in o.stderr
+             for o in outcomes), describe(outcomes)
+
+
 def assert_logically_close(got: dict, got_layout, want: dict, want_layout) -> None:
   """Per-table states equal up to reordered float32 sums (another device count)."""
   got, want = logical_arrays(got, got_layout), logical_arrays(want, want_layout)
