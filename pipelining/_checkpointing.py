@@ -100,12 +100,10 @@ def _in_flight_from_tree(tree: dict[str, Any], plan: EmbeddingPlan) -> FeatureIn
 class TrainerCheckpoints:
   """Saves and restores Trainer state under workdir/checkpoints.
 
-  Incremental saves: every prepared batch's rows are recorded (`track`), with
-  the batch's position in the data stream. A save happens between batches
-  prepared and batches applied (the prefetch queue, the in-flight lookup), so
-  after a save the rows of the batches prepared but not applied yet (of the
-  last `unapplied_batches` prepared, those after the save's last applied
-  position, and any of unknown position) are recorded again: they are
+  Incremental saves: every prepared batch's rows are recorded (`track`). A
+  save happens between batches prepared and batches applied (the prefetch
+  queue, the in-flight lookup), so after a save the rows of the last
+  `unapplied_batches` batches prepared are recorded again: they may be
   applied after it. The delta thus holds a superset of the rows updated
   since the previous save, which is exact (a row's current value is written).
 
@@ -128,19 +126,13 @@ class TrainerCheckpoints:
     self._recent: collections.deque = collections.deque(maxlen=unapplied_batches)
     self._recent_lock = threading.Lock()  # `track` runs on the prefetching thread.
 
-  def track(self, batch: PreprocessedBatch | dict[str, StackBatch],
-            index: int | None = None) -> None:
-    """Records the rows a training batch (host or placed) will update (incremental only).
-
-    Args:
-      index: the batch's position in the data stream (None: unknown; its
-        rows are then recorded again after every save while it is recent).
-    """
+  def track(self, batch: PreprocessedBatch | dict[str, StackBatch]) -> None:
+    """Records the rows a training batch (host or placed) will update (incremental only)."""
     if self._rows is None:
       return
     rows = batch_rows(batch, self._plan.layout)
     with self._recent_lock:
-      self._recent.append((index, rows))
+      self._recent.append(rows)
     for stack, stack_rows in rows.items():
       self._rows.add(stack, stack_rows)
 
@@ -183,13 +175,10 @@ class TrainerCheckpoints:
       data_state: dict[str, Any],
       *,
       pipelining: bool,
-      applied_through: int | None = None,
   ) -> bool:
     """Starts an asynchronous save of `step` (skipped if that step exists).
 
     Args:
-      applied_through: the stream position of the last batch whose update
-        `state` holds (None: unknown, every recent batch may be unapplied).
       in_flight: the layout-free in-flight batch; a `FeatureInFlight`
         (preprocessed buffers) only for a batch restored from a layout-specific checkpoint,
         which is then written in that format again.
@@ -225,17 +214,14 @@ class TrainerCheckpoints:
     saved = self._manager.save(step, embedding, items=items, force=True,
                                updated_rows=self._rows)
     if self._rows is not None:
-      self._readd_recent(applied_through)
+      self._readd_recent()
     return saved
 
-  def _readd_recent(self, applied_through: int | None = None) -> None:
-    """Records again the rows of the latest batches prepared and not applied by the state
-    saved or restored: those after stream position `applied_through` (None: all)."""
+  def _readd_recent(self) -> None:
+    """Records again the rows of the latest batches prepared: they may not be applied yet."""
     with self._recent_lock:
       recent = list(self._recent)
-    for index, rows in recent:
-      if applied_through is not None and index is not None and index <= applied_through:
-        continue
+    for rows in recent:
       for stack, stack_rows in rows.items():
         self._rows.add(stack, stack_rows)
 

@@ -37,7 +37,6 @@ from pipelining._fit_loop import (
     NonFiniteLossError,
     Schedule,
     StepEnd,
-    newest_index,
     pipelined_steps,
     sync_steps,
     with_skip,
@@ -247,7 +246,7 @@ class Trainer:
     """`_stage` for fit: also records the rows the batch will update (incremental saves)."""
     staged = self._stage(raw, "training", index)
     if self._checkpoints is not None:
-      self._checkpoints.track(staged.batch.sparse, index)
+      self._checkpoints.track(staged.batch.sparse)
     return staged
 
   def _preprocess(self, sparse: Any):
@@ -846,11 +845,9 @@ class Trainer:
     if self._checkpoints is None or state is None:
       return False
     step = int(state.train.step)
-    # The newest batch taken is applied, unless it is the one in flight.
-    applied_through = newest_index(state.data) - (state.in_flight is not None)
     saved = self._checkpoints.save(
         step, state.train, self._saved_in_flight(state), share_position(dict(state.data)),
-        pipelining=self.config.pipelining, applied_through=applied_through,
+        pipelining=self.config.pipelining,
     )
     if saved:  # Not again for a step saved already (the final save after a save_every one).
       for callback in callbacks:

@@ -7,8 +7,6 @@ import optax
 import pytest
 
 import checkpoint as ck
-from checkpoint._chain import walk_chain
-from checkpoint._delta import DeltaItem
 from pipelining import Trainer
 from sc_framework.optimizers import Adagrad
 from test_resume import assert_same_run, stop_at
@@ -79,54 +77,6 @@ def test_fits_in_chunks_save_deltas_that_hold_every_update(tmp_path, seed, worke
     delta, whole = _tables(tmp_path / "delta", step), _tables(tmp_path / "full", step)
     for name, table in whole.tables.items():
       assert_same_bits(delta.tables[name], table)
-
-
-def _disjoint_batches(count, seed):
-  """Batch i reads rows 5i..5i+4 of table a and 3i..3i+2 of table b, every one of them
-  (stacked in a__b: a's rows first, then b's from row 40)."""
-  rng = np.random.default_rng(seed)
-  batches = []
-  for i in range(count):
-    fa = 5 * i + rng.permuted(np.arange(24) % 5).reshape(8, 3)
-    batches.append({
-        "sparse": {"fa": fa, "fb": 3 * i + rng.permuted(np.arange(16) % 3).reshape(8, 2),
-                   "fa2": 5 * i + rng.integers(0, 5, (8, 1))},
-        "dense": rng.normal(size=(8, 3)).astype(np.float32),
-        "labels": rng.normal(size=8).astype(np.float32),
-    })
-  return batches
-
-
-def _delta_rows(root, step):
-  """The stacked rows a delta step holds."""
-  path, manifest = list(walk_chain(root / str(step) / "embedding"))[-1]
-  return set(DeltaItem(path, manifest).ids("a__b", 0).tolist())
-
-
-@pytest.mark.parametrize("pipelining", [True, False])
-def test_a_delta_holds_the_rows_of_batches_applied_since_the_last_save_not_before(
-    tmp_path, pipelining):
-  """Every save recorded the last 9 batches prepared again, also those applied already:
-  with a save every step, deltas held several times the rows updated."""
-  batches = _disjoint_batches(8, seed=131)
-  trainer = make_trainer(tmp_path, pipelining, ck.IncrementalPolicy(max_delta_share=1.0))
-  trainer.fit(batches)
-  root = tmp_path / "checkpoints"
-
-  def rows_of(index):
-    return set(range(5 * index, 5 * index + 5)) | set(range(40 + 3 * index, 43 + 3 * index))
-
-  for step in range(2, 9):
-    held = _delta_rows(root, step)
-    # Batch step-1 is applied by step `step`; batches before it by earlier steps.
-    assert rows_of(step - 1) <= held
-    earlier = set().union(*(rows_of(index) for index in range(step - 1)))
-    assert not held & earlier, (step, sorted(held & earlier))
-  reference = make_trainer(None, pipelining, None)
-  reference.fit(batches)
-  last = _tables(tmp_path, 8)
-  for name, table in logical_tables(reference).items():
-    assert_same_bits(last.tables[name], np.asarray(table))
 
 
 @pytest.mark.filterwarnings("ignore:checkpoint step .* is skipped:RuntimeWarning")
