@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import checkpoint as ck
-from pipelining import Trainer
+from pipelining import Callback, Trainer
 from sc_framework.optimizers import Adagrad
 from test_resume import assert_same_run, stop_at
 from test_trainer import LinearHead, logical_tables, make_batches, make_specs, mesh_of, mse
@@ -77,6 +77,32 @@ def test_fits_in_chunks_save_deltas_that_hold_every_update(tmp_path, seed, worke
     delta, whole = _tables(tmp_path / "delta", step), _tables(tmp_path / "full", step)
     for name, table in whole.tables.items():
       assert_same_bits(delta.tables[name], table)
+
+
+class _TablesAtEachStep(Callback):
+  def __init__(self):
+    self.tables = {}
+
+  def on_step_end(self, trainer, step, metrics):
+    self.tables[step] = {name: np.asarray(t) for name, t in logical_tables(trainer).items()}
+
+
+def test_a_synchronous_resume_of_a_pipelined_checkpoint_saves_deltas_of_every_update(tmp_path):
+  """The resumed batch in flight is applied first, with the checkpoint's data position,
+  while the new stream (started over) numbers its batches from 0: a rule that told applied
+  batches by their stream positions dropped those batches' rows from the next deltas."""
+  batches = make_batches(6, seed=132)
+  policy = ck.IncrementalPolicy(full_every=100, max_delta_share=1.0)
+  seen = _TablesAtEachStep()
+  make_trainer(tmp_path, True, policy).fit(batches, num_steps=5, callbacks=[seen])
+  make_trainer(tmp_path, False, policy).fit(batches, num_steps=9, callbacks=[seen])
+  assert sorted(seen.tables) == list(range(1, 10))
+  for step in range(6, 10):
+    assert ck.inspect(tmp_path / "checkpoints" / str(step))["embedding"]["chain"][-1][
+        "kind"] == "delta"
+    restored = _tables(tmp_path, step)
+    for name, table in seen.tables[step].items():
+      assert_same_bits(restored.tables[name], table)
 
 
 @pytest.mark.filterwarnings("ignore:checkpoint step .* is skipped:RuntimeWarning")
