@@ -380,13 +380,14 @@ class CheckpointManager:
           f"{self._directory} has no complete checkpoint for step {step}; its steps are"
           f" {self.all_steps()}.{self._why_not_complete(step)}"
       )
+    fingerprint = self._damaged.fingerprint(step)
     try:
       return self._restore_verified(step, args, embedding)
     except Exception as error:
       if not self._step_exists(step):
         raise self._deleted_while_restoring(step) from error
       if isinstance(error, CorruptCheckpointError):
-        self.mark_damaged(step, str(error))
+        self._damaged.add(step, str(error), fingerprint)
       raise
 
   def _restore_latest(self, args: ocp.args.Composite, embedding) -> dict[str, Any]:
@@ -405,6 +406,7 @@ class CheckpointManager:
       if broken is not None:
         _steps.warn_skipped(self._directory / str(candidate), broken)
         continue
+      fingerprint = self._damaged.fingerprint(candidate)
       try:
         return self._restore_verified(candidate, args, embedding)
       except Exception as error:
@@ -414,7 +416,7 @@ class CheckpointManager:
           continue
         if not isinstance(error, CorruptCheckpointError):
           raise
-        self.mark_damaged(candidate, str(error))
+        self._damaged.add(candidate, str(error), fingerprint)
         last_error = error
         _steps.warn_skipped(self._directory / str(candidate), str(error))
     if last_error is not None:
@@ -456,7 +458,7 @@ class CheckpointManager:
     it, and a save of its number moves it aside to `<step>.incomplete-<k>`
     (kept). A step saved again under that number is not marked.
     """
-    self._damaged.add(step, why)
+    self._damaged.add(step, why, self._damaged.fingerprint(step))
 
   def _step_exists(self, step: int) -> bool:
     step_dir = self._directory / str(step)
@@ -492,7 +494,10 @@ class CheckpointManager:
     try:
       restored = self._manager.restore(step, args=args)
     except ValueError as error:
-      raise _steps.other_tree_error(error, f"checkpoint step {step} ({step_dir})") from error
+      other_tree = _steps.other_tree_error(error, f"checkpoint step {step} ({step_dir})")
+      if other_tree is None:
+        raise
+      raise other_tree from error
     if isinstance(embedding, EmbeddingRestore):
       self._incremental.restored(step)
     return {name: restored[name] for name in args.keys()}

@@ -116,22 +116,25 @@ class DamagedSteps:
     self._directory = directory
     self._why: dict[int, tuple[str, int | None]] = {}
 
-  def _fingerprint(self, step: int) -> int | None:
+  def fingerprint(self, step: int) -> int | None:
+    """The CRC32C of the step's `integrity.json` (None: unreadable): which save it holds."""
     try:
       data = (self._directory / str(step) / _integrity.INTEGRITY_FILE).read_bytes()
     except OSError:
       return None
     return google_crc32c.value(data)
 
-  def add(self, step: int, why: str) -> None:
-    self._why[step] = (why, self._fingerprint(step))
+  def add(self, step: int, why: str, fingerprint: int | None) -> None:
+    """Records `step` as damaged; `fingerprint` is the save found damaged (taken before
+    reading it: another writer may save the step again meanwhile)."""
+    self._why[step] = (why, fingerprint)
 
   def why(self, step: int) -> str | None:
     """Why `step` was found damaged, or None (never, or saved again since)."""
     if step not in self._why:
       return None
     why, fingerprint = self._why[step]
-    if fingerprint is not None and fingerprint != self._fingerprint(step):
+    if fingerprint is not None and fingerprint != self.fingerprint(step):
       del self._why[step]  # Another save of that number.
       return None
     return why
@@ -353,10 +356,9 @@ _OTHER_TREE = "tree structures do not match"
 _PARTIAL_RESTORE_ADVICE = "If this mismatch is intentional, pass `partial_restore=True`"
 
 
-def other_tree_error(error: ValueError, where: str) -> Exception:
+def other_tree_error(error: ValueError, where: str) -> IncompatibleCheckpointError | None:
   """Orbax's error for a tree of another structure (e.g. another optax optimizer's state,
-  which differs only in empty nodes), made an IncompatibleCheckpointError; other errors
-  are returned as they are.
+  which differs only in empty nodes) as an IncompatibleCheckpointError; None for others.
 
   `check_dense_tree` names differing arrays before anything is read; this
   catches what it cannot see. Orbax's advice of `partial_restore` is dropped:
@@ -364,7 +366,7 @@ def other_tree_error(error: ValueError, where: str) -> Exception:
   """
   message = str(error)
   if _OTHER_TREE not in message:
-    return error
+    return None
   detail = message.split(_PARTIAL_RESTORE_ADVICE, 1)[0].strip()
   return IncompatibleCheckpointError(
       f"{where}: an item holds a tree of another structure than the restore asks for. The"

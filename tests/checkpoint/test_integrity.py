@@ -86,8 +86,9 @@ def test_a_step_a_restore_found_damaged_is_skipped_until_it_is_saved_again(root,
   restore = ck.EmbeddingRestore(layout, make_mesh(layout.num_devices), AXIS)
   with ck.CheckpointManager(root, read_only=True) as reader, ck.CheckpointManager(root) as writer:
     assert writer.latest_step() == 2 and writer.why_unrestorable(2) is None
-    with pytest.raises(ck.CorruptCheckpointError, match=str(chunk)):
+    with pytest.raises(ck.CorruptCheckpointError, match=str(chunk)) as error:
       writer.restore(2, restore)
+    assert error.value.__cause__ is not error.value  # the checksum failure stays its cause
     reader.mark_damaged(2, "found damaged by another process")
     for mngr, why in ((writer, str(chunk)), (reader, "another process")):
       assert why in mngr.why_unrestorable(2)
