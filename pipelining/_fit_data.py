@@ -59,10 +59,10 @@ class FitData:
     self._prefetch_depth = prefetch_depth
     self._prefetch_workers = prefetch_workers
     # After a fit that stopped before its data ended: its data, stream and the
-    # batches taken but not applied. Each `open` consumes it.
+    # batches taken but not applied. Each fit consumes it (`consume`).
     self._carry: _CarriedStream | None = None
     # True after a stop request or an exception whose data did not end: the
-    # next fit on other data starts at the loop's position. Each `open` consumes it.
+    # next fit on other data starts at the loop's position. Each fit consumes it.
     self._at_loop_position = False
 
   def open(self, train_data: Iterable[Any], epochs: int | None, *, can_continue: bool,
@@ -78,11 +78,14 @@ class FitData:
         ({} is the beginning; keys as `DataStream`'s arguments).
       at_end: `DataStream`'s, for a position at the end of the data.
 
+    What the last fit handed on stays until `consume`: a fit whose
+    checkpoint turned out damaged opens its stream again, as if the step were
+    not there.
+
     Returns:
       The prefetcher, and whether it continues the last fit's stream.
     """
-    carry, self._carry = self._carry, None
-    after_interruption, self._at_loop_position = self._at_loop_position, False
+    carry, after_interruption = self._carry, self._at_loop_position
     continued = (carry is not None and carry.data is train_data
                  and carry.epochs == epoch_count(epochs) and can_continue)
     if continued:
@@ -107,6 +110,10 @@ class FitData:
                             workers=self._prefetch_workers,
                             start_index=stream.batches_consumed, remainder=remainder)
     return prefetcher, continued
+
+  def consume(self) -> None:
+    """Forgets what the last fit handed on: this fit's stream is open (its loop starts)."""
+    self._carry, self._at_loop_position = None, False
 
   def hand_on(self, train_data: Iterable[Any], epochs: int | None, prefetcher: Prefetcher,
               unapplied: tuple[Prepared, ...], *, interrupted: bool, data_ended: bool,

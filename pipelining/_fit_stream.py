@@ -40,22 +40,15 @@ class FitStream:
   """
 
   def __init__(self, fit_data: FitData, train_data: Iterable[Any], epochs: int | None, *,
-               can_continue: bool, position: Callable[[bool], dict[str, Any]],
+               can_continue: Callable[[], bool], position: Callable[[bool], dict[str, Any]],
                at_end: Literal["stop", "start_over"],
                take: Callable[[Prefetcher], Prepared | None],
                ends: Callable[[Prefetcher], bool],
                loop_data: Callable[[], Mapping[str, Any] | None]):
     self._fit_data, self._train_data, self._epochs = fit_data, train_data, epochs
     self._take, self._ends, self._loop_data = take, ends, loop_data
-    self._position, self._at_end = position, at_end
-    self._after_interruption = False
-
-    def start_position(after_interruption: bool) -> dict[str, Any]:
-      self._after_interruption = after_interruption
-      return position(after_interruption)
-
-    self._prefetcher, self.continued = fit_data.open(
-        train_data, epochs, can_continue=can_continue, position=start_position, at_end=at_end)
+    self._can_continue, self._position, self._at_end = can_continue, position, at_end
+    self._prefetcher, self.continued = self._open()
     self._data_ended = False
     self._last_taken: Prepared | None = None
     self._position_before: Mapping[str, Any] | None = None
@@ -69,25 +62,29 @@ class FitStream:
       self._last_taken, self._position_before = prepared, self._loop_data()
     return prepared
 
+  def _open(self) -> tuple[Prefetcher, bool]:
+    return self._fit_data.open(self._train_data, self._epochs,
+                               can_continue=self._can_continue(), position=self._position,
+                               at_end=self._at_end)
+
   def reopen(self) -> None:
-    """Opens the stream again at `position`, before the loop started.
+    """Opens the stream again, as at first, before the loop started.
 
     The checkpoint the fit resumes changed (the one it first chose was
     damaged): the stream starts at the data position of the one it resumes
-    now. The batches taken so far are dropped; they are read again.
+    now, or continues the last fit's stream if none is newer than the
+    Trainer's state. The batches taken so far are dropped; they are read again.
     """
     if self._started:
       raise RuntimeError("the fit's loop started: its stream cannot start over.")
     self._prefetcher.close()
-    after_interruption = self._after_interruption
-    self._prefetcher, self.continued = self._fit_data.open(
-        self._train_data, self._epochs, can_continue=False,
-        position=lambda _: self._position(after_interruption), at_end=self._at_end)
+    self._prefetcher, self.continued = self._open()
     self._data_ended = False
     self._last_taken = self._position_before = None
 
   def start(self, first: Prepared | None) -> None:
     """The loop starts from the Trainer's loop state (as a restore left it) with `first`."""
+    self._fit_data.consume()
     self._started = True
     self._last_taken, self._position_before = first, self._loop_data()
 
@@ -133,6 +130,10 @@ class FitStream:
   def close(self) -> None:
     """Stops the prefetch thread, waiting boundedly: it may be stuck in the user's iterator.
 
-    A second Ctrl-C may interrupt the wait (`pipelining._signals`).
+    A second Ctrl-C may interrupt the wait (`pipelining._signals`). A fit
+    that ends before its loop started (nothing to fit, an error) consumes
+    what the last fit handed on, as one that started does.
     """
+    if not self._started:
+      self._fit_data.consume()
     self._prefetcher.close()

@@ -37,6 +37,7 @@ from pipelining._fit_loop import (
     NonFiniteLossError,
     Schedule,
     StepEnd,
+    newest_index,
     pipelined_steps,
     sync_steps,
     with_skip,
@@ -539,7 +540,7 @@ class Trainer:
     self._stop_requested.clear()
     stream = FitStream(
         self._fit_data, train_data, epochs,
-        can_continue=self._loop is not None and self._resume_step() is None,
+        can_continue=lambda: self._loop is not None and self._resume_step() is None,
         position=self._data_position, take=self._next, ends=self._data_ended,
         # A finished run restarted (num_steps None) stays finished; more steps asked
         # for start the data over, as this Trainer's next fit after the data's end does.
@@ -602,8 +603,10 @@ class Trainer:
     """`_start`, or the damaged step it could not resume: fit resumes an older one instead.
 
     The stream started at the damaged step's data position; it starts again
-    at the older step's, which a one-shot iterator can only do through its
-    `set_state` (else raised, telling what to pass on the next fit).
+    as if that step were not there: at the older step's position, or where
+    this Trainer's own state left it. A one-shot iterator can only go back to
+    an older step's position, through its `set_state` (else raised, telling
+    where the data must start).
     """
     try:
       return self._start(first, train_data, history)
@@ -612,13 +615,18 @@ class Trainer:
       if not isinstance(train_data, Iterator) or (
           older is not None and hasattr(train_data, "set_state")):
         return damaged
-      resumes = "from the beginning (no older step restores)" if older is None else (
-          f"the step before it ({older}), whose data position is earlier")
+      if older is not None:
+        resumes = f"the step before it ({older}), whose data position is earlier"
+      elif self._loop is not None:
+        resumes = (f"this Trainer's own state (step {int(self.state.step)}), after batch"
+                   f" {newest_index(self._loop.data)} of the data")
+      else:
+        resumes = "the beginning (no older step restores)"
       raise CorruptCheckpointError(
-          f"checkpoint step {damaged.step} is damaged, so fit resumes {resumes}; but"
-          " train_data is a one-shot iterator, already advanced to the damaged step's"
-          " position, and it cannot go back. Call fit again with a new iterator of the data"
-          " from its beginning (this Trainer skips the damaged step now). Why step"
+          f"checkpoint step {damaged.step} is damaged, so fit continues from {resumes}; but"
+          " train_data is a one-shot iterator, already moved to the damaged step's"
+          " position, and it cannot go back. Call fit again with an iterator of the data"
+          " that starts there (this Trainer skips the damaged step now). Why step"
           f" {damaged.step} is damaged: {damaged.why}"
       ) from damaged
 

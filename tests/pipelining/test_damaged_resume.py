@@ -71,6 +71,20 @@ def test_a_newest_step_failing_its_checksum_falls_back_and_trains_on(tmp_path, p
   assert again.fit(batches).final_step == 8
 
 
+def test_a_trainer_holding_its_own_state_continues_as_if_the_damaged_step_were_not_there(
+    tmp_path):
+  """Another Trainer saved step 7, damaged: the fall back reopened the data at its
+  beginning (no checkpoint newer than the state was left), training batches 0-7 again."""
+  batches = make_batches(8, seed=133)
+  trainer = make_trainer(tmp_path)
+  trainer.fit(batches, num_steps=4)
+  make_trainer(tmp_path, save_every=None).fit(batches, num_steps=7)
+  flip_a_byte(tmp_path / "checkpoints" / "7")
+  history = trainer.fit(batches)
+  assert history.resumed_from is None and history.final_step == 8
+  assert_same_run(trainer, reference_run(batches))
+
+
 def test_an_iterator_with_set_state_goes_back_to_the_older_steps_position(tmp_path):
   batches = make_batches(7, seed=126)
   make_trainer(tmp_path).fit(Positioned(batches), num_steps=5)
@@ -89,8 +103,8 @@ def test_a_one_shot_iterator_that_cannot_go_back_is_told_to_start_again(tmp_path
   flip_a_byte(tmp_path / "checkpoints" / "5")
   resumed = make_trainer(tmp_path, save_every=5)
   with pytest.raises(ck.CorruptCheckpointError,
-                     match=r"(?s)step 5 is damaged, so fit resumes from the beginning.*"
-                           r"one-shot iterator.*new iterator of the data from its beginning"
+                     match=r"(?s)step 5 is damaged, so fit continues from the beginning.*"
+                           r"one-shot iterator.*an iterator of the data that starts there"
                            r".*Why step 5 is damaged.*checksum"):
     resumed.fit(Positioned(batches))
   history = resumed.fit(Positioned(batches))
