@@ -713,13 +713,14 @@ class Trainer:
     return None if raw is None else self.prepare(raw)
 
   def _data_position(self, after_interruption: bool) -> dict[str, Any]:
-    """Where fit's data starts: after an interruption, or in a newer checkpoint, or at 0."""
+    """Where fit's data starts: in the checkpoint fit resumes (newer than the state), or
+    where the state left it after an interruption, or at 0."""
+    step = self._resume_step()
+    if step is not None:
+      return own_position(self._checkpoints.read_data_state(step))
     if after_interruption and self._loop is not None:
       return dict(self._loop.data)
-    step = self._resume_step()
-    if step is None:
-      return {}
-    return own_position(self._checkpoints.read_data_state(step))
+    return {}
 
   def _resume_step(self) -> int | None:
     """The checkpoint fit resumes from: the latest, when newer than the state or when
