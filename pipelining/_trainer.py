@@ -626,8 +626,9 @@ class Trainer:
           f"checkpoint step {damaged.step} is damaged, so fit continues from {resumes}; but"
           " train_data is a one-shot iterator, already moved to the damaged step's"
           " position, and it cannot go back. Call fit again with an iterator of the data"
-          " that starts there (this Trainer skips the damaged step now). Why step"
-          f" {damaged.step} is damaged: {damaged.why}"
+          " that starts there (this Trainer skips the damaged step now; a new process would"
+          f" not: move the step out of {self._checkpoints.directory} before starting one)."
+          f" Why step {damaged.step} is damaged: {damaged.why}"
       ) from damaged
 
   def _start(self, first: Prepared | None, train_data: Iterable[Any], history: History) -> bool:
