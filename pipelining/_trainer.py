@@ -376,7 +376,7 @@ class Trainer:
          for f in self.plan.feature_specs},
         example,
     )
-    train, saved, data = self._restore_agreed(step, lambda: self._checkpoints.restore(
+    train, saved, data = self._restore_marking_damage(step, lambda: self._checkpoints.restore(
         step, self._state_template() if self.state is None else self.state, template))
     in_flight, ids = None, None
     if isinstance(saved, SavedInFlight):
@@ -394,7 +394,7 @@ class Trainer:
     self._state_only_from = None
     history.resumed_from = step
 
-  def _restore_agreed(self, step: int, restore: Callable[[], Any]) -> Any:
+  def _restore_marking_damage(self, step: int, restore: Callable[[], Any]) -> Any:
     """`restore()` of checkpoint step `step`, unless the step is found damaged.
 
     Listing a step reads no chunk: a chunk failing its checksum (a flipped
@@ -744,7 +744,7 @@ class Trainer:
       if step is None or (self.state is not None and int(self.state.step) >= step):
         return
       try:
-        self.state = self._restore_agreed(step, lambda: self._checkpoints.restore_state(
+        self.state = self._restore_marking_damage(step, lambda: self._checkpoints.restore_state(
             step, self._state_template() if self.state is None else self.state))
       except _DamagedStep:
         continue  # marked damaged: latest_step now skips it
@@ -971,7 +971,7 @@ def _per_sample(predictions: Any, batch_size: int, what: str) -> Any:
 
 
 class _DamagedStep(Exception):
-  """The checkpoint step a Trainer was restoring is damaged (marked so: `_restore_agreed`)."""
+  """The checkpoint step a Trainer was restoring is damaged (marked so: `_restore_marking_damage`)."""
 
   def __init__(self, step: int, why: str):
     super().__init__(f"checkpoint step {step} is damaged: {why}")
