@@ -150,6 +150,9 @@ class TrainerCheckpoints:
     self._manager.reload()
     return self._manager.latest_step()
 
+  def why_unrestorable(self, step: int) -> str | None:
+    return self._manager.why_unrestorable(step)
+
   def mark_damaged(self, step: int, why: str) -> None:
     """`step` no longer restores: `latest_step` skips it, a save of its number replaces it."""
     self._manager.mark_damaged(step, why)
@@ -183,7 +186,7 @@ class TrainerCheckpoints:
         (preprocessed buffers) only for a batch restored from a layout-specific checkpoint,
         which is then written in that format again.
     """
-    if step in self._manager.all_steps() and self._manager.why_unrestorable(step) is None:
+    if step in self._manager.all_steps() and self.why_unrestorable(step) is None:
       return False  # Saved already (a delta step that no longer restores is saved again).
     meta = {
         "format": FORMAT,

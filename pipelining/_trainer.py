@@ -415,7 +415,8 @@ class Trainer:
             f" of {self._checkpoints.directory} (or repair it), then restart the job; it"
             " resumes the newest step that restores."
         ) from error
-      self._checkpoints.mark_damaged(step, str(error))
+      if self._checkpoints.why_unrestorable(step) is None:  # The manager's restore marks it.
+        self._checkpoints.mark_damaged(step, str(error))
       raise _DamagedStep(step, str(error)) from error
 
   def initialize(self, example_batch: Any) -> TrainState:
