@@ -13,8 +13,11 @@ interrupted saves (real directories named `<step>.orbax-checkpoint-tmp-<n>`);
 any other entry of the root, a link named like one included, is left alone
 and named in a warning.
 
-`check_dense_tree` compares the stored shapes of an Orbax PyTree item with
-the abstract tree a restore asks for, before Orbax reads anything.
+`check_dense_tree` compares the stored arrays and shapes of an Orbax PyTree
+item with the abstract tree a restore asks for, before Orbax reads anything.
+
+`DamagedSteps` remembers the steps a restore found damaged (a chunk failing
+its checksum, which listing a step cannot see).
 """
 
 from __future__ import annotations
