@@ -972,7 +972,7 @@ def _per_sample(predictions: Any, batch_size: int, what: str) -> Any:
 
 
 class _DamagedStep(Exception):
-  """The checkpoint step a Trainer was restoring is damaged (marked so: `_restore_marking_damage`)."""
+  """The checkpoint step a Trainer was restoring is damaged (`_restore_marking_damage`)."""
 
   def __init__(self, step: int, why: str):
     super().__init__(f"checkpoint step {step} is damaged: {why}")
