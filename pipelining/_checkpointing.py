@@ -123,7 +123,9 @@ class TrainerCheckpoints:
         incremental=incremental,
     )
     self._rows = UpdatedRows(plan.layout) if incremental is not None else None
+    # (number of the batch among those tracked, its rows) of the latest batches.
     self._recent: collections.deque = collections.deque(maxlen=unapplied_batches)
+    self._tracked = 0
     self._recent_lock = threading.Lock()  # `track` runs on the prefetching thread.
 
   def track(self, batch: PreprocessedBatch | dict[str, StackBatch]) -> None:
@@ -132,9 +134,27 @@ class TrainerCheckpoints:
       return
     rows = batch_rows(batch, self._plan.layout)
     with self._recent_lock:
-      self._recent.append(rows)
+      self._recent.append((self._tracked, rows))
+      self._tracked += 1
     for stack, stack_rows in rows.items():
       self._rows.add(stack, stack_rows)
+
+  def tracked(self) -> int:
+    """How many batches were tracked so far (a mark for `forget_tracked_since`)."""
+    with self._recent_lock:
+      return self._tracked
+
+  def forget_tracked_since(self, mark: int) -> None:
+    """The batches tracked since `mark` will never be applied (their stream was dropped).
+
+    They leave the latest batches, whose rows each save records again: else
+    they could push out batches still to apply. (Their rows stay recorded for
+    the next save, a superset.)
+    """
+    with self._recent_lock:
+      kept = [entry for entry in self._recent if entry[0] < mark]
+      self._recent.clear()
+      self._recent.extend(kept)
 
   @property
   def directory(self) -> epath.Path:
@@ -224,7 +244,7 @@ class TrainerCheckpoints:
     """Records again the rows of the latest batches prepared: they may not be applied yet."""
     with self._recent_lock:
       recent = list(self._recent)
-    for rows in recent:
+    for _, rows in recent:
       for stack, stack_rows in rows.items():
         self._rows.add(stack, stack_rows)
 

@@ -67,17 +67,19 @@ class FitStream:
                                can_continue=self._can_continue(), position=self._position,
                                at_end=self._at_end)
 
-  def reopen(self) -> None:
+  def reopen(self, dropped: Callable[[], None]) -> None:
     """Opens the stream again, as at first, before the loop started.
 
     The checkpoint the fit resumes changed (the one it first chose was
     damaged): the stream starts at the data position of the one it resumes
     now, or continues the last fit's stream if none is newer than the
-    Trainer's state. The batches taken so far are dropped; they are read again.
+    Trainer's state. The batches taken so far are dropped (`dropped()` runs
+    once the stream is closed); they are read again.
     """
     if self._started:
       raise RuntimeError("the fit's loop started: its stream cannot start over.")
     self._prefetcher.close()
+    dropped()
     self._prefetcher, self.continued = self._open()
     self._data_ended = False
     self._last_taken = self._position_before = None

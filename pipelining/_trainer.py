@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -539,6 +540,7 @@ class Trainer:
     dropped_before = self._dropped_ids
     self._stop.clear()
     self._stop_requested.clear()
+    tracked = None if self._checkpoints is None else self._checkpoints.tracked()
     stream = FitStream(
         self._fit_data, train_data, epochs,
         can_continue=lambda: self._loop is not None and self._resume_step() is None,
@@ -553,7 +555,9 @@ class Trainer:
       first = stream.next_batch()
       started = self._start_or_fall_back(first, train_data, history)
       while isinstance(started, _DamagedStep):
-        stream.reopen()  # at the data position of the step fit falls back to
+        # At the data position of the step fit falls back to; the batches the dropped
+        # stream prepared are never applied.
+        stream.reopen(dropped=functools.partial(self._forget_tracked_since, tracked))
         first = stream.next_batch()
         started = self._start_or_fall_back(first, train_data, history)
       if not started:
@@ -598,6 +602,10 @@ class Trainer:
           callback.on_fit_end(self, history)
       finally:
         restore_handlers(previous_handlers)
+
+  def _forget_tracked_since(self, mark: int | None) -> None:
+    if self._checkpoints is not None:
+      self._checkpoints.forget_tracked_since(mark)
 
   def _start_or_fall_back(self, first: Prepared | None, train_data: Iterable[Any],
                           history: History) -> bool | _DamagedStep:
@@ -725,11 +733,13 @@ class Trainer:
     return {}
 
   def _resume_step(self) -> int | None:
-    """The checkpoint fit resumes from: the latest, when newer than the state or when
-    evaluate or predict adopted only its train state; else None."""
+    """The checkpoint fit resumes from: the latest, when newer than the state, or whenever
+    evaluate or predict adopted only a checkpoint's train state (also an older one, after
+    the adopted step was found damaged); else None."""
     step = None if self._checkpoints is None else self._checkpoints.latest_step()
-    if step is None or (self.state is not None and int(self.state.step) >= step
-                        and self._state_only_from != step):
+    if step is None or self._state_only_from is not None:
+      return step
+    if self.state is not None and int(self.state.step) >= step:
       return None
     return step
 
