@@ -28,7 +28,6 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-import google_crc32c
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
@@ -122,10 +121,9 @@ class DamagedSteps:
   def fingerprint(self, step: int) -> int | None:
     """The CRC32C of the step's `integrity.json` (None: unreadable): which save it holds."""
     try:
-      data = (self._directory / str(step) / _integrity.INTEGRITY_FILE).read_bytes()
+      return _integrity.crc32c_of_file(self._directory / str(step) / _integrity.INTEGRITY_FILE)[0]
     except OSError:
       return None
-    return google_crc32c.value(data)
 
   def add(self, step: int, why: str, fingerprint: int | None) -> None:
     """Records `step` as damaged; `fingerprint` is the save found damaged (taken before
@@ -316,7 +314,7 @@ def set_aside(step_dir: epath.Path, reason: str | None = None) -> epath.Path | N
 
 
 def check_dense_tree(item_dir: epath.Path, item: str, requested: Any) -> None:
-  """Raises if an Orbax PyTree item stores other shapes than `requested` asks for.
+  """Raises if an Orbax PyTree item stores other shapes or arrays than `requested` asks for.
 
   Args:
     item_dir: the item directory inside a step.
@@ -356,6 +354,11 @@ def check_dense_tree(item_dir: epath.Path, item: str, requested: Any) -> None:
 
 
 _OTHER_TREE = "tree structures do not match"
+_OTHER_TREE_ADVICE = (
+    "The model or its optimizer differs in structure from the ones that wrote the checkpoint"
+    " (another optax optimizer or chain of transformations, layers added or removed): restore"
+    " with those, or start without this checkpoint."
+)
 _PARTIAL_RESTORE_ADVICE = "If this mismatch is intentional, pass `partial_restore=True`"
 
 
@@ -372,10 +375,8 @@ def other_tree_error(error: ValueError, where: str) -> IncompatibleCheckpointErr
     return None
   detail = message.split(_PARTIAL_RESTORE_ADVICE, 1)[0].strip()
   return IncompatibleCheckpointError(
-      f"{where}: an item holds a tree of another structure than the restore asks for. The"
-      " model or its optimizer differs in structure from the ones that wrote the checkpoint"
-      " (another optax optimizer or chain of transformations, layers added or removed):"
-      f" restore with those, or start without this checkpoint. Orbax: {detail}"
+      f"{where}: an item holds a tree of another structure than the restore asks for."
+      f" {_OTHER_TREE_ADVICE} Orbax: {detail}"
   )
 
 
@@ -409,8 +410,5 @@ def _check_same_arrays(item_dir: epath.Path, item: str, stored_flat: dict, wante
                        f" ({names(absent)})")
   raise IncompatibleCheckpointError(
       f"checkpoint {item_dir.parent}: item {item!r} holds another tree than the restore asks"
-      f" for: {'; '.join(differences)}. The model or its optimizer differs in structure from"
-      " the ones that wrote the checkpoint (another optax optimizer or chain of"
-      " transformations, layers added or removed): restore with those, or start without this"
-      " checkpoint."
+      f" for: {'; '.join(differences)}. {_OTHER_TREE_ADVICE}"
   )

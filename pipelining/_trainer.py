@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import threading
@@ -555,9 +554,9 @@ class Trainer:
       first = stream.next_batch()
       started = self._start_or_fall_back(first, train_data, history)
       while isinstance(started, _DamagedStep):
-        # At the data position of the step fit falls back to; the batches the dropped
-        # stream prepared are never applied.
-        stream.reopen(dropped=functools.partial(self._forget_tracked_since, tracked))
+        # At the data position of the step fit falls back to (a damaged step implies a
+        # workdir); the batches the dropped stream prepared are never applied.
+        stream.reopen(dropped=lambda: self._checkpoints.forget_tracked_since(tracked))
         first = stream.next_batch()
         started = self._start_or_fall_back(first, train_data, history)
       if not started:
@@ -602,10 +601,6 @@ class Trainer:
           callback.on_fit_end(self, history)
       finally:
         restore_handlers(previous_handlers)
-
-  def _forget_tracked_since(self, mark: int | None) -> None:
-    if self._checkpoints is not None:
-      self._checkpoints.forget_tracked_since(mark)
 
   def _start_or_fall_back(self, first: Prepared | None, train_data: Iterable[Any],
                           history: History) -> bool | _DamagedStep:
