@@ -608,11 +608,12 @@ def test_a_trainer_sees_the_newer_checkpoint_another_trainer_saved(tmp_path):
   assert_same_run(first, reference)
 
 
-@pytest.mark.parametrize("pipelining", [True, False])
-def test_a_fit_after_a_stop_resumes_a_newer_checkpoint_at_its_data_position(tmp_path,
-                                                                          pipelining):
+def test_a_fit_after_a_stop_resumes_a_newer_checkpoint_at_its_data_position(tmp_path):
   """Another Trainer saved step 8 after this one stopped at 4: the fit restored step 8 but
-  started the data where this Trainer had stopped, training batches 4-9 on step 8."""
+  started the data where this Trainer had stopped, training batches 4-9 on step 8. (The
+  data position is chosen before either mode's loop: the pipelined one, with a batch in
+  flight in both checkpoints, covers it.)"""
+  pipelining = True
   batches = make_batches(10, seed=134)
   stopped = make_trainer(tmp_path, pipelining)
   stopped.fit(batches, callbacks=[stop_at(4)])
