@@ -269,21 +269,43 @@ def _check_finite_gains(batch: StackBatch, combiner: str, local_batch: int,
   )
 
 
+_ALIGNMENT_BYTES = 64
+
+
+def _aligned_arrays(sizes: list[int]) -> list[np.ndarray]:
+  """Fresh int32 arrays of the given sizes, each starting at a 64-byte boundary.
+
+  One allocation holds them all: the allocator recycles one large block from
+  call to call, where several smaller ones often come back as fresh pages (a
+  page fault per 4 KiB costs about as much as the rest of the work). On the
+  CPU, `jax.device_put` (and `make_array_from_process_local_data`) alias a
+  64-byte aligned host array instead of copying it: about 5 ms saved per
+  batch of ~1M entries.
+  """
+  per_line = _ALIGNMENT_BYTES // 4
+  padded = [-(-size // per_line) * per_line for size in sizes]
+  block = np.empty(sum(padded) + per_line, np.int32)
+  start = (-block.ctypes.data % _ALIGNMENT_BYTES) // 4
+  arrays = []
+  for size, span in zip(sizes, padded):
+    arrays.append(block[start:start + size])
+    start += span
+  return arrays
+
+
 def _write_buffers(stack: StackLayout, capacity: StackCapacity, local_batch: int, bounds,
                    samples, located: _Rows, factor, entry_weights) -> StackBatch:
   """Step 4: the fixed-shape buffers; gain = entry weight (1) * factor[sample] (1)."""
   g_count, n_count, r = len(bounds) - 1, stack.num_shards, stack.rows_per_shard
   u_cap = capacity.max_unique_ids_per_partition
   e_cap = capacity.entries_per_device(n_count)
-  # One allocation for the four arrays: the allocator recycles one large block
-  # from call to call, where four smaller ones often come back as fresh pages
-  # (a page fault per 4 KiB costs about as much as the rest of the work).
   size, entries = g_count * n_count * u_cap, g_count * e_cap
-  buffer = np.empty(size + 3 * entries, np.int32)
-  unique_rows = buffer[:size].reshape(g_count, n_count, u_cap)
-  entry_samples = buffer[size : size + entries].reshape(g_count, e_cap)
-  entry_unique_index = buffer[size + entries : size + 2 * entries].reshape(g_count, e_cap)
-  entry_gains = buffer[size + 2 * entries :].view(np.float32).reshape(g_count, e_cap)
+  unique_rows, entry_samples, entry_unique_index, entry_gains = _aligned_arrays(
+      [size, entries, entries, entries])
+  unique_rows = unique_rows.reshape(g_count, n_count, u_cap)
+  entry_samples = entry_samples.reshape(g_count, e_cap)
+  entry_unique_index = entry_unique_index.reshape(g_count, e_cap)
+  entry_gains = entry_gains.view(np.float32).reshape(g_count, e_cap)
   for g in range(g_count):
     distinct, edges = located.distinct[g], located.edges[g]
     for n in range(n_count):
