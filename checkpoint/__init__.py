@@ -38,6 +38,7 @@ chunked inside shard boundaries, with the layout as JSON (`checkpoint._format`).
 
 from checkpoint._errors import (
     CheckpointError,
+    CheckpointReadError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
     MissingItemError,
@@ -89,6 +90,7 @@ __all__ = [
     "IncompatibleCheckpointError",
     "SlotMismatchError",
     "CorruptCheckpointError",
+    "CheckpointReadError",
     # Incremental (delta) checkpoints.
     "Delta",
     "IncrementalPolicy",

@@ -39,6 +39,7 @@ from checkpoint._errors import (
     CorruptCheckpointError,
     IncompatibleCheckpointError,
     NotACheckpointError,
+    read_error,
 )
 from checkpoint._format import LAYOUT_FILE, MANIFEST_FILE, Manifest, read_save_id
 from checkpoint._reader import CheckpointReader
@@ -581,11 +582,13 @@ class ChainReader(CheckpointReader):
         raise _corrupt(delta, stack, slot, error) from error
 
 
-def _corrupt(delta: DeltaItem, stack: str, slot: str | None, error) -> CorruptCheckpointError:
+def _corrupt(delta: DeltaItem, stack: str, slot: str | None, error) -> CheckpointError:
+  """A CorruptCheckpointError for a failed read of a delta's array (or a
+  CheckpointReadError where the storage refused or did not answer: `read_error`)."""
   what = "table" if slot is None else f"slot {slot!r}"
-  return CorruptCheckpointError(
-      f"delta checkpoint {delta.directory}: reading stack {stack!r} {what} failed: {error}. The"
-      " delta is corrupt or truncated; restore a step before it."
+  return read_error(
+      error, f"delta checkpoint {delta.directory}: reading stack {stack!r} {what} failed",
+      "The delta is corrupt or truncated; restore a step before it.",
   )
 
 

@@ -40,7 +40,7 @@ import tensorstore as ts
 from etils import epath
 
 from checkpoint import _save, _storage
-from checkpoint._errors import CorruptCheckpointError, NotACheckpointError
+from checkpoint._errors import CorruptCheckpointError, NotACheckpointError, read_error
 from checkpoint._format import (
     LAYOUT_FILE,
     MANIFEST_FILE,
@@ -428,9 +428,9 @@ class DeltaItem:
       try:
         store = _storage.open_for_read(path).result()
       except ValueError as error:
-        raise CorruptCheckpointError(
-            f"delta checkpoint {self.directory}: cannot open stack {stack!r} part {process}"
-            f" array {array or 'table'!r} at {path}: {error}. Restore another step."
+        raise read_error(
+            error, f"delta checkpoint {self.directory}: cannot open stack {stack!r} part"
+            f" {process} array {array or 'table'!r} at {path}", "Restore another step.",
         ) from error
       rows = self.counts[process][stack]
       if store.shape[0] != rows:
@@ -448,7 +448,7 @@ class DeltaItem:
     try:
       return self.store(stack, process, IDS).read().result().reshape(-1).astype(np.int64)
     except ValueError as error:
-      raise CorruptCheckpointError(
-          f"delta checkpoint {self.directory}: reading the row ids of stack {stack!r} part"
-          f" {process} failed: {error}. Restore another step."
+      raise read_error(
+          error, f"delta checkpoint {self.directory}: reading the row ids of stack {stack!r}"
+          f" part {process} failed", "Restore another step.",
       ) from error

@@ -45,7 +45,7 @@ from typing import Any, Literal
 import google_crc32c
 from etils import epath
 
-from checkpoint._errors import CorruptCheckpointError
+from checkpoint._errors import CorruptCheckpointError, read_error, storage_failure
 
 INTEGRITY_FILE = "integrity.json"
 FORMAT_NAME = "sc_framework.step_integrity"
@@ -261,6 +261,8 @@ def read_manifest(step_dir: epath.Path) -> dict[str, FileEntry]:
       raise ValueError("its digest does not match its entries")
     return {rel: _entry_from_dict(entry) for rel, entry in entries.items()}
   except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+    if storage_failure(error) is not None:
+      raise read_error(error, f"reading {path} failed", advice) from error
     raise CorruptCheckpointError(f"{path} is unreadable or damaged ({error}).{advice}") from error
 
 

@@ -17,7 +17,12 @@ import tensorstore as ts
 from etils import epath
 
 from checkpoint import _direct, _storage
-from checkpoint._errors import CorruptCheckpointError, MissingTableError, NotACheckpointError
+from checkpoint._errors import (
+    CorruptCheckpointError,
+    MissingTableError,
+    NotACheckpointError,
+    read_error,
+)
 from checkpoint._format import (
     LAYOUT_FILE,
     MANIFEST_FILE,
@@ -136,9 +141,9 @@ class CheckpointReader:
         try:
           store = _storage.open_for_read(path).result()
         except ValueError as error:
-          raise CorruptCheckpointError(
-              f"checkpoint {self.directory}: cannot open {what} at {path}: {error}. The"
-              " checkpoint is incomplete or damaged; restore another step."
+          raise read_error(
+              error, f"checkpoint {self.directory}: cannot open {what} at {path}",
+              "The checkpoint is incomplete or damaged; restore another step.",
           ) from error
         if tuple(store.shape) != expected.shape or store.dtype.numpy_dtype != numpy_dtype(
             expected.dtype
@@ -334,11 +339,10 @@ class CheckpointReader:
     try:
       return fn(store)
     except ValueError as error:
-      raise CorruptCheckpointError(
-          f"checkpoint {self.directory}: reading"
-          f" {_describe(self.manifest.kind, group, slot)} failed:"
-          f" {error}. The array is corrupt, truncated or missing; restore another step or"
-          " re-save it."
+      what = _describe(self.manifest.kind, group, slot)
+      raise read_error(
+          error, f"checkpoint {self.directory}: reading {what} failed",
+          "The array is corrupt, truncated or missing; restore another step or re-save it.",
       ) from error
 
   def _table(self, table: str) -> tuple[str, int, int]:

@@ -7,6 +7,7 @@ import os
 import shutil
 
 import numpy as np
+from etils import epath
 import optax
 import orbax.checkpoint as ocp
 import pytest
@@ -14,7 +15,7 @@ import pytest
 import checkpoint as ck
 import fault_lib
 from ckpt_testlib import AXIS, make_mesh
-from checkpoint import _integrity
+from checkpoint import _integrity, _storage
 from checkpoint._chain import open_reader
 from checkpoint.cli import main
 from tests.numerics import assert_same_bits
@@ -281,3 +282,67 @@ def test_a_step_named_through_a_link_to_it_is_verified_where_it_points(root, tmp
   fault_lib._flip(chunk)
   with pytest.raises(ck.CorruptCheckpointError, match="fails its CRC32C checksum"):
     handler.restore(latest / "embedding", ck.TableRestore())
+
+
+class _RefusedOpen:
+  """What TensorStore's open returns when the storage refuses or fails a read."""
+
+  def __init__(self, status):
+    self.status = status
+
+  def result(self):
+    raise ValueError(f'{self.status}: Error reading "gs://bucket/checkpoints/2/embedding"')
+
+
+@pytest.mark.parametrize("status", ["UNAVAILABLE", "PERMISSION_DENIED", "DEADLINE_EXCEEDED"])
+def test_a_storage_that_refuses_or_fails_a_read_is_not_damage(root, template, monkeypatch,
+                                                              status):
+  """Every TensorStore read error was CorruptCheckpointError: restore(None) marked the
+  newest step damaged, fell back to an older one, and a save of its number moved it aside."""
+  layout = template.layout
+  restore = ck.EmbeddingRestore(layout, make_mesh(layout.num_devices), AXIS)
+  with ck.CheckpointManager(root) as mngr:
+    with monkeypatch.context() as patch:
+      patch.setattr(_storage, "open_for_read", lambda path: _RefusedOpen(status))
+      for step in (None, 2):
+        with pytest.raises(ck.CheckpointReadError, match=rf"{status}.*nothing says the"
+                                                        r" checkpoint is damaged") as error:
+          mngr.restore(step, restore)
+        assert not isinstance(error.value, ck.CorruptCheckpointError)
+      assert mngr.why_unrestorable(2) is None and mngr.latest_step() == 2
+    restored = mngr.restore(None, restore)["embedding"]  # the storage answers again
+  assert_same_bits(restored.tables["a__b"], template.oracle[2]["tables"]["a__b"])
+
+
+@pytest.mark.filterwarnings("ignore:checkpoint step .* is skipped:RuntimeWarning")
+def test_bytes_the_storage_returned_wrong_are_damage(root, template, monkeypatch):
+  layout = template.layout
+  restore = ck.EmbeddingRestore(layout, make_mesh(layout.num_devices), AXIS)
+  with ck.CheckpointManager(root) as mngr:
+    with monkeypatch.context() as patch:
+      patch.setattr(_storage, "open_for_read", lambda path: _RefusedOpen("DATA_LOSS"))
+      with pytest.raises(ck.CorruptCheckpointError, match="DATA_LOSS"):
+        mngr.restore(2, restore)
+    assert "DATA_LOSS" in mngr.why_unrestorable(2)
+
+
+def test_a_manifest_the_storage_refuses_to_read_is_not_an_incomplete_step(root, monkeypatch):
+  """A step whose integrity.json could not be read was listed as incomplete and skipped:
+  latest_step named the step before it."""
+  refused = str(root / "2" / _integrity.INTEGRITY_FILE)
+  path_type = type(epath.Path(refused))
+  real = path_type.read_text
+
+  def refuse(path, *args, **kwargs):
+    if str(path) == refused:
+      raise PermissionError(13, "Permission denied", str(path))
+    return real(path, *args, **kwargs)
+
+  with ck.CheckpointManager(root) as mngr:
+    with monkeypatch.context() as patch:
+      patch.setattr(path_type, "read_text", refuse)
+      with pytest.raises(ck.CheckpointReadError, match=f"{refused}.*PermissionError.*left as"):
+        mngr.reload()
+        mngr.latest_step()
+    mngr.reload()
+    assert mngr.latest_step() == 2

@@ -209,3 +209,27 @@ def test_a_damaged_delta_falls_back_past_every_step_whose_chain_reads_it(tmp_pat
   for step in (3, 4, 5):
     assert (root / f"{step}.incomplete-0").exists()
   assert not [p for p in ck.verify(root) if p.severity == "error"]
+
+
+def test_a_storage_that_refuses_a_read_fails_the_fit_and_leaves_the_step(tmp_path, monkeypatch):
+  """A refused or timed-out read counted as damage: fit fell back to step 4 and moved
+  step 5 aside when it saved step 5 again."""
+  from checkpoint import _storage
+
+  batches = make_batches(8, seed=127)
+  make_trainer(tmp_path).fit(batches, num_steps=5)
+
+  class Unavailable:
+    def result(self):
+      raise ValueError("UNAVAILABLE: Error reading the store: connection reset")
+
+  resumed = make_trainer(tmp_path)
+  with monkeypatch.context() as patch:
+    patch.setattr(_storage, "open_for_read", lambda path: Unavailable())
+    with pytest.raises(ck.CheckpointReadError, match="UNAVAILABLE"):
+      resumed.fit(batches)
+  root = tmp_path / "checkpoints"
+  assert not list(root.glob("*.incomplete-*")) and resumed.latest_checkpoint_step() == 5
+  history = resumed.fit(batches)  # the storage answers again: resumes step 5
+  assert history.resumed_from == 5 and history.final_step == 8
+  assert_same_run(resumed, reference_run(batches))
