@@ -326,21 +326,31 @@ def test_bytes_the_storage_returned_wrong_are_damage(root, template, monkeypatch
     assert "DATA_LOSS" in mngr.why_unrestorable(2)
 
 
-def test_a_manifest_the_storage_refuses_to_read_is_not_an_incomplete_step(root, monkeypatch):
-  """A step whose integrity.json could not be read was listed as incomplete and skipped:
-  latest_step named the step before it."""
-  refused = str(root / "2" / _integrity.INTEGRITY_FILE)
+@pytest.mark.parametrize("refused_file", [_integrity.INTEGRITY_FILE, "meta/metadata"])
+def test_a_file_the_storage_refuses_to_read_does_not_make_the_step_incomplete(
+    root, monkeypatch, refused_file):
+  """A step whose integrity.json or metadata could not be read was listed as incomplete
+  and skipped: latest_step named the step before it."""
+  refused = str(root / "2" / refused_file)
   path_type = type(epath.Path(refused))
-  real = path_type.read_text
+  real_read_text, real_crc32c = path_type.read_text, _integrity.crc32c_of_file
 
-  def refuse(path, *args, **kwargs):
+  def refuse(path):
     if str(path) == refused:
       raise PermissionError(13, "Permission denied", str(path))
-    return real(path, *args, **kwargs)
+
+  def read_text(path, *args, **kwargs):
+    refuse(path)
+    return real_read_text(path, *args, **kwargs)
+
+  def crc32c_of_file(path, **kwargs):
+    refuse(path)
+    return real_crc32c(path, **kwargs)
 
   with ck.CheckpointManager(root) as mngr:
     with monkeypatch.context() as patch:
-      patch.setattr(path_type, "read_text", refuse)
+      patch.setattr(path_type, "read_text", read_text)
+      patch.setattr(_integrity, "crc32c_of_file", crc32c_of_file)
       with pytest.raises(ck.CheckpointReadError, match=f"{refused}.*PermissionError.*left as"):
         mngr.reload()
         mngr.latest_step()
