@@ -26,10 +26,12 @@ namespace {
 // rate when the spec asks for it (0 for none).
 struct RowOptions {
   float clip_lo, clip_hi, row_clipnorm, decay, weight_min, weight_max;
-  bool decays, clips_weights;  // loop-invariant switches, so the default path stays plain
+  // Loop-invariant switches, so the default path stays plain.
+  bool clips_gradients, decays, clips_weights;
   static constexpr int kCount = 6;
   static RowOptions From(const float* h) {
-    return {h[0], h[1], h[2], h[3], h[4], h[5], h[3] != 0.0f,
+    return {h[0], h[1], h[2], h[3], h[4], h[5],
+            std::isfinite(h[0]) || std::isfinite(h[1]) || std::isfinite(h[2]), h[3] != 0.0f,
             std::isfinite(h[4]) || std::isfinite(h[5])};
   }
 };
@@ -48,13 +50,12 @@ inline float SquaredNorm(const float* g, int64_t dim) {
   return square;
 }
 
-// Steps 1 and 2 of the options: g <- clip(g * min(1, c / ||g||), lo, hi),
-// written into `scratch` (g may already be `scratch`). Returns the clipped g.
+// Steps 1 and 2 of the options, where options.clips_gradients: g <- clip(g *
+// min(1, c / ||g||), lo, hi), written into `scratch` (g may already be
+// `scratch`). Returns the clipped g.
 inline const float* ClipGradient(const float* g, float* scratch, int64_t dim,
                                  const RowOptions& options) {
   const bool by_norm = std::isfinite(options.row_clipnorm);
-  const bool by_value = std::isfinite(options.clip_lo) || std::isfinite(options.clip_hi);
-  if (!by_norm && !by_value) return g;
   float scale = 1.0f;
   if (by_norm) {
     const float squared = SquaredNorm(g, dim);
@@ -156,7 +157,8 @@ void ForEachTouchedRow(float* table, int64_t rows, int64_t dim, const int32_t* i
       }
       const int64_t row = index[k];
       if (row < 0 || row >= rows) continue;
-      update(k, row, ClipGradient(grads.Get(k, scratch.data()), scratch.data(), dim, options));
+      const float* g = grads.Get(k, scratch.data());
+      update(k, row, options.clips_gradients ? ClipGradient(g, scratch.data(), dim, options) : g);
     }
   });
 }

@@ -94,12 +94,22 @@ ffi::Error GroupingCheck(const char* kernel, ffi::Span<const int64_t> unique_ind
                     "at most 2^31 - 1 entries; split the batch into smaller steps");
 }
 
-// row = sum over the entries of unique row k of gain[e] * grad[sample[e]].
+// row = sum over the entries of unique row k of gain[e] * grad[sample[e]], added
+// to 0 in entry order. The first term is written as 0 + gain * grad (the bits
+// adding it to a zeroed row gives), so the row is not zeroed first: most rows
+// of a batch have one entry, and the memset cost ~5% of an update.
 inline void UniqueRowGradient(const EntriesByUniqueRow& groups, int64_t k, const float* grad,
                               int64_t dim, float* row) {
-  std::memset(row, 0, dim * sizeof(float));
+  int64_t i = groups.begin_of[k];
   const int64_t stop = groups.begin_of[k + 1];
-  for (int64_t i = groups.begin_of[k]; i < stop; ++i) {
+  if (i == stop) {
+    std::memset(row, 0, dim * sizeof(float));
+    return;
+  }
+  const float* first = grad + static_cast<int64_t>(groups.sample[i]) * dim;
+  const float gain = groups.gain[i];
+  for (int64_t d = 0; d < dim; ++d) row[d] = 0.0f + gain * first[d];
+  for (++i; i < stop; ++i) {
     Axpy(row, grad + static_cast<int64_t>(groups.sample[i]) * dim, groups.gain[i], dim);
   }
 }
