@@ -115,6 +115,10 @@ class FitData:
     """Forgets what the last fit handed on: this fit's stream is open (its loop starts)."""
     self._carry, self._at_loop_position = None, False
 
+  def drop_carry(self) -> None:
+    """Forgets the carried stream only: a fit took batches from it, then ended untrained."""
+    self._carry = None
+
   def hand_on(self, train_data: Iterable[Any], epochs: int | None, prefetcher: Prefetcher,
               unapplied: tuple[Prepared, ...], *, interrupted: bool, data_ended: bool,
               keep_stream: bool = True) -> None:

@@ -48,6 +48,7 @@ class FitStream:
     self._fit_data, self._train_data, self._epochs = fit_data, train_data, epochs
     self._take, self._ends, self._loop_data = take, ends, loop_data
     self._can_continue, self._position, self._at_end = can_continue, position, at_end
+    self._loop_at_open = loop_data()
     self._prefetcher, self.continued = self._open()
     self._data_ended = False
     self._last_taken: Prepared | None = None
@@ -133,9 +134,15 @@ class FitStream:
     """Stops the prefetch thread, waiting boundedly: it may be stuck in the user's iterator.
 
     A second Ctrl-C may interrupt the wait (`pipelining._signals`). A fit
-    that ends before its loop started (nothing to fit, an error) consumes
-    what the last fit handed on, as one that started does.
+    that ends before its loop started (nothing to fit, an error) trained
+    nothing: what the last fit handed on still holds for the next fit,
+    except a carried stream this fit took batches from. Only if the loop
+    state changed all the same (a checkpoint was restored) is all of it
+    forgotten, as by a fit that started.
     """
     if not self._started:
-      self._fit_data.consume()
+      if self._loop_data() is not self._loop_at_open:
+        self._fit_data.consume()
+      elif self.continued:
+        self._fit_data.drop_carry()
     self._prefetcher.close()

@@ -660,3 +660,27 @@ def test_fit_after_evaluate_restores_a_newer_checkpoint_at_the_end_of_the_data(t
   history = second.fit(batches)
   assert history.resumed_from == 8 and history.steps == [] and int(second.state.step) == 8
   assert_same_run(second, first)
+
+
+@pytest.mark.parametrize("pipelining", [True, False])
+@pytest.mark.parametrize("one_shot", [False, True])
+def test_a_fit_that_fails_before_training_keeps_where_a_stopped_fit_left_the_data(
+    pipelining, one_shot):
+  """After a stop at step 4, a fit on other data whose next batch is bad raised before it
+  trained anything, and forgot where the stopped fit left the data: the next fit, on a
+  fixed copy, started the data over; on the stopped fit's one-shot iterator, it lost the
+  batches that fit had taken."""
+  batches = make_batches(9, seed=91)
+  data = iter(batches) if one_shot else batches
+  stopped = make_trainer(None, pipelining)
+  assert stopped.fit(data, callbacks=[stop_at(4)]).final_step == 4
+  # Not dicts. Another object of the data continues after the batches taken: after
+  # batch 4 when pipelined (it is in flight), at batch 4 when synchronous.
+  broken = [[batch] if k in (4, 5) else batch for k, batch in enumerate(batches)]
+  with pytest.raises(TypeError, match=f"batch {5 if pipelining else 4} of the training data"):
+    stopped.fit(broken)
+  assert int(stopped.state.step) == 4
+  assert stopped.fit(data if one_shot else list(batches)).final_step == 9
+  reference = make_trainer(None, pipelining)
+  reference.fit(batches)
+  assert_same_run(stopped, reference)
