@@ -49,6 +49,7 @@ class FitStream:
     self._take, self._ends, self._loop_data = take, ends, loop_data
     self._can_continue, self._position, self._at_end = can_continue, position, at_end
     self._loop_at_open = loop_data()
+    self._took_carried_stream = False  # whether a stream of this fit continued the last's
     self._prefetcher, self.continued = self._open()
     self._data_ended = False
     self._last_taken: Prepared | None = None
@@ -64,9 +65,11 @@ class FitStream:
     return prepared
 
   def _open(self) -> tuple[Prefetcher, bool]:
-    return self._fit_data.open(self._train_data, self._epochs,
-                               can_continue=self._can_continue(), position=self._position,
-                               at_end=self._at_end)
+    prefetcher, continued = self._fit_data.open(
+        self._train_data, self._epochs, can_continue=self._can_continue(),
+        position=self._position, at_end=self._at_end)
+    self._took_carried_stream = self._took_carried_stream or continued
+    return prefetcher, continued
 
   def reopen(self, dropped: Callable[[], None]) -> None:
     """Opens the stream again, as at first, before the loop started.
@@ -143,6 +146,6 @@ class FitStream:
     if not self._started:
       if self._loop_data() is not self._loop_at_open:
         self._fit_data.consume()
-      elif self.continued:
+      elif self._took_carried_stream:
         self._fit_data.drop_carry()
     self._prefetcher.close()
