@@ -36,10 +36,12 @@ from checkpoint._delta import DeltaItem, DeltaManifest, is_delta_manifest
 from checkpoint._direct import ChunkCache
 from checkpoint._errors import (
     CheckpointError,
+    CheckpointReadError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
     NotACheckpointError,
     read_error,
+    storage_failure,
 )
 from checkpoint._format import LAYOUT_FILE, MANIFEST_FILE, Manifest, read_save_id
 from checkpoint._reader import CheckpointReader
@@ -60,6 +62,8 @@ def read_item_manifest(item: epath.Path) -> dict:
   try:
     return json.loads(path.read_text())
   except (OSError, json.JSONDecodeError, UnicodeDecodeError) as error:
+    if storage_failure(error) is not None:  # refused or not answered: not a broken chain
+      raise read_error(error, f"reading {path} failed", "") from error
     raise BrokenChainError(f"{path} cannot be read: {error}.") from error
 
 
@@ -338,6 +342,8 @@ def dependent_deltas(step_dir: epath.PathLike, item_name: str) -> list[list[Delt
       continue
     try:
       links = walk_chain(item)
+    except CheckpointReadError:
+      raise
     except CheckpointError:
       continue
     parents = [path.parent.name for path, _ in links]

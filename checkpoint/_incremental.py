@@ -34,7 +34,7 @@ from etils import epath
 from checkpoint import _save
 from checkpoint._chain import continues_chain, delta_manifest, save_id_of, walk_chain
 from checkpoint._delta import Delta
-from checkpoint._errors import CheckpointError
+from checkpoint._errors import CheckpointError, CheckpointReadError
 from checkpoint._format import MANIFEST_FILE, new_save_id
 from checkpoint._handler import EmbeddingSave
 from checkpoint._rows_tracker import UpdatedRows
@@ -145,6 +145,8 @@ class IncrementalSaves:
         return None  # Not (yet) an embedding item; asked again later.
       try:
         manifest = delta_manifest(self.item_dir(step))
+      except CheckpointReadError:
+        raise  # The storage refused or did not answer: not a damaged step.
       except CheckpointError:
         manifest = None  # A damaged step; restore skips it (`broken`).
       self._parents[step] = None if manifest is None else manifest.parent_step
@@ -294,6 +296,8 @@ def _parent_id_of(item: epath.Path) -> str | None:
   """The parent save id a delta item records, or None (none recorded, or unreadable)."""
   try:
     manifest = delta_manifest(item)
+  except CheckpointReadError:
+    raise
   except CheckpointError:
     return None
   return None if manifest is None else manifest.parent_id

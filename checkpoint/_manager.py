@@ -42,6 +42,7 @@ from checkpoint import _integrity, _steps, _storage
 from checkpoint._compact import finish_interrupted_compactions
 from checkpoint._errors import (
     CheckpointError,
+    CheckpointReadError,
     CorruptCheckpointError,
     MissingItemError,
     NotACheckpointError,
@@ -437,6 +438,8 @@ class CheckpointManager:
       return f"a restore found it damaged: {damaged.rstrip('.')}"
     try:
       links = self._incremental.chain_steps(step)
+    except CheckpointReadError:
+      raise  # The storage refused or did not answer: nothing says a link is broken.
     except CheckpointError as error:  # A link is missing, unreadable or replaced.
       return str(error)
     complete = set(self.all_steps())

@@ -23,7 +23,7 @@ from checkpoint import _integrity
 from checkpoint._chain import chain_problems, check_chain_states, delta_manifest
 from checkpoint._delta import IDS, DeltaItem, DeltaManifest
 from checkpoint._direct import chunk_file
-from checkpoint._errors import CheckpointError
+from checkpoint._errors import CheckpointError, CheckpointReadError
 from checkpoint._format import MANIFEST_FILE, array_dir, numpy_dtype
 from checkpoint._integrity import Problem
 from checkpoint._reader import CheckpointReader
@@ -93,6 +93,8 @@ def item_chain_problems(item: epath.Path, depth: _integrity.Depth | None) -> lis
     problems = [] if depth is None else chain_problems(item, depth)
     if not _integrity.errors(problems):  # Damaged links first; their states may be anything.
       check_chain_states(item)
+  except CheckpointReadError:
+    raise  # The storage refused or did not answer: nothing says the chain is broken.
   except CheckpointError as error:
     problems.append(Problem("error", item, f"its delta chain is broken: {error}"))
   return problems

@@ -116,8 +116,13 @@ class FitData:
     self._carry, self._at_loop_position = None, False
 
   def drop_carry(self) -> None:
-    """Forgets the carried stream only: a fit took batches from it, then ended untrained."""
-    self._carry = None
+    """Forgets the carried stream: a fit took batches from it, then ended untrained.
+
+    The next fit starts at the loop's data position, as after a fit that
+    raised once its loop ran (a one-shot iterator cannot go back there, and
+    says so, where it would otherwise lose the batches taken).
+    """
+    self._carry, self._at_loop_position = None, True
 
   def hand_on(self, train_data: Iterable[Any], epochs: int | None, prefetcher: Prefetcher,
               unapplied: tuple[Prepared, ...], *, interrupted: bool, data_ended: bool,

@@ -139,12 +139,13 @@ class FitStream:
     A second Ctrl-C may interrupt the wait (`pipelining._signals`). A fit
     that ends before its loop started (nothing to fit, an error) trained
     nothing: what the last fit handed on still holds for the next fit,
-    except a carried stream this fit took batches from. Only if the loop
-    state changed all the same (a checkpoint was restored) is all of it
-    forgotten, as by a fit that started.
+    except a carried stream this fit took batches from (the next fit then
+    starts at the loop's data position). All of it is forgotten, as by a
+    fit that started, where the data ended (the next fit starts anew) or
+    the loop state changed all the same (a checkpoint was restored).
     """
     if not self._started:
-      if self._loop_data() is not self._loop_at_open:
+      if self._data_ended or self._loop_data() is not self._loop_at_open:
         self._fit_data.consume()
       elif self._took_carried_stream:
         self._fit_data.drop_carry()

@@ -233,3 +233,33 @@ def test_a_storage_that_refuses_a_read_fails_the_fit_and_leaves_the_step(tmp_pat
   history = resumed.fit(batches)  # the storage answers again: resumes step 5
   assert history.resumed_from == 5 and history.final_step == 8
   assert_same_run(resumed, reference_run(batches))
+
+
+def test_a_refused_read_of_a_chain_links_manifest_fails_the_fit_and_leaves_the_steps(
+    tmp_path, monkeypatch):
+  """Reading a delta chain's link read any error as a broken chain: fit resumed step 2
+  and moved steps 3-5 aside when it saved them again."""
+  from etils import epath
+
+  batches = make_batches(7, seed=131)
+  policy = ck.IncrementalPolicy(max_delta_share=1.0)
+  make_trainer(tmp_path, incremental=policy).fit(batches, num_steps=5)
+  root = tmp_path / "checkpoints"
+  refused = str(root / "3" / "embedding" / "manifest.json")
+  path_type = type(epath.Path(refused))
+  real_read_text = path_type.read_text
+
+  def read_text(path, *args, **kwargs):
+    if str(path) == refused:
+      raise TimeoutError("the read timed out")
+    return real_read_text(path, *args, **kwargs)
+
+  resumed = make_trainer(tmp_path, incremental=policy)
+  with monkeypatch.context() as patch:
+    patch.setattr(path_type, "read_text", read_text)
+    with pytest.raises(ck.CheckpointReadError, match=f"{refused}.*TimeoutError"):
+      resumed.fit(batches)
+  assert not list(root.glob("*.incomplete-*")) and resumed.latest_checkpoint_step() == 5
+  history = resumed.fit(batches)
+  assert history.resumed_from == 5 and history.final_step == 7
+  assert_same_run(resumed, reference_run(batches))

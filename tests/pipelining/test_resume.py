@@ -684,3 +684,47 @@ def test_a_fit_that_fails_before_training_keeps_where_a_stopped_fit_left_the_dat
   reference = make_trainer(None, pipelining)
   reference.fit(batches)
   assert_same_run(stopped, reference)
+
+
+@pytest.mark.parametrize("pipelining", [True, False])
+@pytest.mark.parametrize("kind", ["list", "set_state", "one_shot"])
+def test_a_chunk_whose_next_batch_is_bad_is_continued_once_it_is_fixed(pipelining, kind):
+  """fit(data, num_steps=4), then a fit whose first batch (taken from the carried
+  stream) is bad, then a fit on the data fixed in place: the last fit started the data
+  over (a list: batches 0-3 trained twice) or lost the batches taken (an iterator)."""
+  from test_data import Positioned
+
+  batches = make_batches(9, seed=92)
+  items = list(batches)
+  bad = 5 if pipelining else 4  # the first batch the second fit takes
+  items[bad] = [batches[bad]]  # not a dict
+  data = {"list": items, "set_state": Positioned(items), "one_shot": iter(items)}[kind]
+  chunked = make_trainer(None, pipelining)
+  assert chunked.fit(data, num_steps=4).final_step == 4
+  with pytest.raises(TypeError, match=f"batch {bad} of the training data"):
+    chunked.fit(data)
+  items[bad] = batches[bad]  # fixed in place
+  if kind == "one_shot":  # it cannot go back to the batch it handed out
+    with pytest.raises(ValueError, match="cannot resume the data at batch"):
+      chunked.fit(data)
+    return
+  assert chunked.fit(data).final_step == 9
+  reference = make_trainer(None, pipelining)
+  reference.fit(batches)
+  assert_same_run(chunked, reference)
+
+
+@pytest.mark.parametrize("pipelining", [True, False])
+def test_fits_after_a_stop_at_the_last_batch_start_the_data_over(pipelining):
+  """A synchronous fit stopped at the last batch has not seen the end of its data: the
+  next fit meets it (nothing to fit), and every later fit trained nothing. (Pipelined,
+  the stopped fit took the next batch for its lookup and met the end.)"""
+  batches = make_batches(6, seed=93)
+  stopped, reference = make_trainer(None, pipelining), make_trainer(None, pipelining)
+  assert stopped.fit(batches, callbacks=[stop_at(6)]).final_step == 6
+  assert stopped.fit(batches).final_step == (12 if pipelining else 6)
+  passes = 3 if pipelining else 2
+  assert stopped.fit(batches).final_step == 6 * passes
+  for _ in range(passes):
+    reference.fit(batches)
+  assert_same_run(stopped, reference)
