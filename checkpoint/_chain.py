@@ -63,7 +63,7 @@ def read_item_manifest(item: epath.Path) -> dict:
     return json.loads(path.read_text())
   except (OSError, json.JSONDecodeError, UnicodeDecodeError) as error:
     if storage_failure(error) is not None:  # refused or not answered: not a broken chain
-      raise read_error(error, f"reading {path} failed", "") from error
+      raise read_error(error, f"reading {path} failed") from error
     raise BrokenChainError(f"{path} cannot be read: {error}.") from error
 
 

@@ -67,7 +67,7 @@ def storage_failure(error: BaseException) -> str | None:
   return code if code in _STORAGE_FAILURE_CODES else None
 
 
-def read_error(error: BaseException, what: str, damage_advice: str) -> CheckpointError:
+def read_error(error: BaseException, what: str, damage_advice: str = "") -> CheckpointError:
   """The error to raise for a read that failed with `error`: "<what>: <error>." then, when
   the storage refused or did not answer (`storage_failure`), a CheckpointReadError saying so,
   else a CorruptCheckpointError ending with `damage_advice`."""

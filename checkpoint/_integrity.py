@@ -373,7 +373,7 @@ def _check_file(
     return _file_problems(path, present, entry, depth, rel, checksummed)
   except OSError as error:  # e.g. removed while checked
     if storage_failure(error) is not None:  # refused or not answered: not the step's fault
-      raise read_error(error, f"reading {path} failed", "") from error
+      raise read_error(error, f"reading {path} failed") from error
     return [Problem("error", path, f"cannot be read ({error})")]
 
 
