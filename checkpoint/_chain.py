@@ -41,6 +41,7 @@ from checkpoint._errors import (
     IncompatibleCheckpointError,
     NotACheckpointError,
     read_error,
+    read_text,
     storage_failure,
 )
 from checkpoint._format import LAYOUT_FILE, MANIFEST_FILE, Manifest, read_save_id
@@ -255,7 +256,7 @@ def _link_states(item: epath.Path, manifest: DeltaManifest | None):
     state = Manifest.from_dict(read_item_manifest(item), str(item / MANIFEST_FILE))
   layout = None
   if state.kind == "stacked":
-    layout = EmbeddingLayout.from_json((item / LAYOUT_FILE).read_text())
+    layout = EmbeddingLayout.from_json(read_text(item / LAYOUT_FILE))
   return table_states(state, layout)
 
 

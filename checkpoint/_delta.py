@@ -40,7 +40,7 @@ import tensorstore as ts
 from etils import epath
 
 from checkpoint import _save, _storage
-from checkpoint._errors import CorruptCheckpointError, NotACheckpointError, read_error
+from checkpoint._errors import CorruptCheckpointError, NotACheckpointError, read_error, read_text
 from checkpoint._format import (
     LAYOUT_FILE,
     MANIFEST_FILE,
@@ -397,7 +397,7 @@ class DeltaItem:
     path = self.directory / LAYOUT_FILE
     if not path.exists():
       raise CorruptCheckpointError(f"delta checkpoint {self.directory} has no {LAYOUT_FILE}.")
-    self.layout = EmbeddingLayout.from_json(path.read_text())
+    self.layout = EmbeddingLayout.from_json(read_text(path))
     self.counts: list[dict[str, int]] = []
     for process in range(manifest.num_processes):
       marker = part_marker(self.directory, process)
@@ -406,7 +406,7 @@ class DeltaItem:
             f"delta checkpoint {self.directory}: the part of process {process} is missing"
             f" ({marker} does not exist); the save did not complete. Restore another step."
         )
-      counts = json.loads(marker.read_text())["rows"]
+      counts = json.loads(read_text(marker))["rows"]
       self.counts.append({name: int(counts.get(name, 0)) for name in self.layout.stack_names})
     self._stores: dict[tuple[str, int, str | None], ts.TensorStore] = {}
 

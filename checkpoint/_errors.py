@@ -79,3 +79,18 @@ def read_error(error: BaseException, what: str, damage_advice: str = "") -> Chec
       " nothing says the checkpoint is damaged, and it is left as it is. Check the access to"
       " it (credentials, permissions) or the storage service, then retry."
   )
+
+
+def read_text(path) -> str:
+  """`path.read_text()` of one of a checkpoint's small files (a manifest, a layout, a marker).
+
+  A read the storage refused or did not answer (`storage_failure`) raises
+  CheckpointReadError naming the file; any other error propagates unchanged,
+  for the caller to judge (a missing or unreadable file is usually damage).
+  """
+  try:
+    return path.read_text()
+  except OSError as error:
+    if storage_failure(error) is None:
+      raise
+    raise read_error(error, f"reading {path} failed") from error

@@ -22,6 +22,7 @@ from checkpoint._errors import (
     MissingTableError,
     NotACheckpointError,
     read_error,
+    read_text,
 )
 from checkpoint._format import (
     LAYOUT_FILE,
@@ -391,7 +392,7 @@ def _read_manifest(directory: epath.Path) -> Manifest:
         f" or interrupted save never writes one).{hint}"
     )
   try:
-    data = json.loads(path.read_text())
+    data = json.loads(read_text(path))
   except (json.JSONDecodeError, UnicodeDecodeError) as error:
     raise NotACheckpointError(f"{path} is not valid JSON: {error}.") from error
   return Manifest.from_dict(data, str(path))
@@ -401,8 +402,9 @@ def _read_layout(directory: epath.Path) -> EmbeddingLayout:
   path = directory / LAYOUT_FILE
   if not path.exists():
     raise NotACheckpointError(f"stacked checkpoint {directory} has no {LAYOUT_FILE}.")
+  text = read_text(path)
   try:
-    return EmbeddingLayout.from_json(path.read_text())
+    return EmbeddingLayout.from_json(text)
   except ValueError as error:
     raise NotACheckpointError(f"{path}: invalid layout: {error}") from error
 

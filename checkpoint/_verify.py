@@ -204,6 +204,8 @@ def _verify_delta(item: epath.Path, manifest: DeltaManifest) -> list[Problem]:
         if delta.counts[process][stack]:
           for array in arrays:
             delta.store(stack, process, array).read().result()
+  except CheckpointReadError:  # the storage refused: nothing says the delta is damaged
+    raise
   except (CheckpointError, ValueError) as error:
     problems.append(Problem("error", item, str(error)))
   return problems

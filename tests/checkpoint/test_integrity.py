@@ -356,3 +356,29 @@ def test_a_file_the_storage_refuses_to_read_does_not_make_the_step_incomplete(
         mngr.latest_step()
     mngr.reload()
     assert mngr.latest_step() == 2
+
+
+@pytest.mark.parametrize("refused_file", ["embedding/layout.json", "embedding/manifest.json"])
+def test_a_refused_read_of_an_items_layout_or_manifest_names_the_file_and_marks_nothing(
+    root, template, monkeypatch, refused_file):
+  """They raised the bare PermissionError of the file system, without the checkpoint."""
+  refused = str(root / "2" / refused_file)
+  path_type = type(epath.Path(refused))
+  real_read_text = path_type.read_text
+
+  def read_text(path, *args, **kwargs):
+    if str(path) == refused:
+      raise PermissionError(13, "Permission denied", str(path))
+    return real_read_text(path, *args, **kwargs)
+
+  layout = template.layout
+  restore = ck.EmbeddingRestore(layout, make_mesh(layout.num_devices), AXIS)
+  with ck.CheckpointManager(root) as mngr:
+    with monkeypatch.context() as patch:
+      patch.setattr(path_type, "read_text", read_text)
+      for step in (None, 2):
+        with pytest.raises(ck.CheckpointReadError, match=f"{refused}.*PermissionError.*left as"):
+          mngr.restore(step, restore)
+    assert mngr.why_unrestorable(2) is None and mngr.latest_step() == 2
+    restored = mngr.restore(None, restore)["embedding"]
+  assert_same_bits(restored.tables["a__b"], template.oracle[2]["tables"]["a__b"])
