@@ -12,8 +12,9 @@ only). The partition capacities are sized from two warm-up batches with
 
 Each timed call preprocesses a different batch (generated before timing); the
 table reports the median wall-clock time and the process CPU time per batch.
-preprocess is single-threaded, so on a busy machine the CPU time is the
-steadier figure.
+preprocess's sort and ranking loops split a batch over up to 8 threads (one
+per core); the rest is single-threaded. The CPU time (all threads) is the
+work, the wall-clock time what a caller waits.
 
 Overflow (allow_id_dropping=True): the same batches preprocessed twice per
 round, interleaved: with capacities that fit every batch ("fits"), and with

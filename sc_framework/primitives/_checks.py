@@ -114,9 +114,16 @@ def check_stacked(plan: EmbeddingPlan, stacked: dict[str, jax.Array], what: str,
 
 
 def _shape_of(array: Any, what: str) -> tuple[int, ...]:
-  """The shape of an array argument; TypeError naming it for anything else (None, a list)."""
+  """The shape of a floating-point array argument; TypeError naming it for anything else
+  (None, a list, integers: activations and their gradients are never integers, and a
+  cast of them would be silent)."""
   if not hasattr(array, "shape") or not hasattr(array, "dtype"):
     raise TypeError(f"{what} must be an array, got {type(array).__name__}.")
+  if not jnp.issubdtype(array.dtype, jnp.floating):
+    raise TypeError(
+        f"{what} has dtype {np.dtype(array.dtype).name}; it must be floating point (float32,"
+        " bfloat16, ...): pass the values the model computed, not integers."
+    )
   return tuple(array.shape)
 
 

@@ -363,6 +363,13 @@ def test_arguments_of_another_kind_are_refused_naming_the_argument():
        r"stacked_grads\[.*\] must be an array, got NoneType"),
       (lambda: split_stacked_activations(plan, stacked[next(iter(stacked))]),
        r"must be a dict keyed by stack name, got ArrayImpl"),
+      # Integer gradients were cast silently.
+      (lambda: apply_embedding_gradients(
+          plan, variables, batch, {"user": grads["user"].astype(jnp.int32)}, 0),
+       r"activation_grads\['user'\] has dtype int32; it must be floating point"),
+      (lambda: apply_stacked_gradients(
+          plan, variables, batch, {k: v.astype(jnp.int32) for k, v in stacked.items()}, 0),
+       r"stacked_grads\[.*\] has dtype int32; it must be floating point"),
   ]
   for call, message in cases:
     with pytest.raises(TypeError, match=message):
