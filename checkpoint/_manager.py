@@ -583,6 +583,33 @@ class CheckpointManager:
       raise NotACheckpointError(_steps.unverified_steps_error(self._directory, unverified))
     return None
 
+  def unrestorable_steps(self) -> dict[int, str]:
+    """Step -> why, for every step directory of the root that does not restore.
+
+    Real directories named by a step number that are not complete
+    (`_steps.manifest_problem`; a step without any integrity manifest is
+    named as such) or that `why_unrestorable` refuses (found damaged, a
+    broken delta chain). Steps set aside (`<step>.incomplete-<k>`) and
+    unfinished saves are not step directories.
+    """
+    complete = set(self.all_steps())
+    found = {}
+    if not self._directory.is_dir():
+      return found
+    for child in self._directory.iterdir():
+      if not child.name.isdigit() or _integrity.is_link(child) or not child.is_dir():
+        continue
+      step = int(child.name)
+      if step in complete:
+        why = self.why_unrestorable(step)
+      elif not (child / _integrity.INTEGRITY_FILE).exists():
+        why = f"it has no {_integrity.INTEGRITY_FILE} (not a complete save of this library)"
+      else:
+        why = _steps.manifest_problem(child)
+      if why is not None:
+        found[step] = why
+    return dict(sorted(found.items()))
+
   def best_step(self) -> int | None:
     """The best step by `best_metric` (the latest step if there is no metric)."""
     return self._manager.best_step()

@@ -96,8 +96,9 @@ def unverified_steps_error(directory: epath.Path, steps: list[epath.Path]) -> st
 
 def warn_skipped(step_dir: epath.Path, why: str) -> None:
   warnings.warn(
-      f"checkpoint step {step_dir} is skipped: {why.rstrip('.')}. An older complete step is"
-      " used instead; this one is left as it is (never deleted): remove or repair it yourself.",
+      f"checkpoint step {step_dir} is skipped: {why.rstrip('.')}. Restores take the newest"
+      " older step that restores, if there is one; this one is left as it is (never deleted):"
+      " remove or repair it yourself.",
       RuntimeWarning,
       stacklevel=3,
   )

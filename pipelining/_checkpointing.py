@@ -173,6 +173,10 @@ class TrainerCheckpoints:
   def why_unrestorable(self, step: int) -> str | None:
     return self._manager.why_unrestorable(step)
 
+  def unrestorable_steps(self) -> dict[int, str]:
+    """Step -> why, for the workdir's step directories that do not restore."""
+    return self._manager.unrestorable_steps()
+
   def mark_damaged(self, step: int, why: str) -> None:
     """`step` no longer restores: `latest_step` skips it, a save of its number replaces it."""
     self._manager.mark_damaged(step, why)

@@ -616,6 +616,8 @@ class Trainer:
       return self._start(first, train_data, history)
     except _DamagedStep as damaged:
       older = self._resume_step()
+      if older is None and self._loop is None:
+        self._refuse_to_start_over()  # No older step restores: raises, naming the damage.
       if not isinstance(train_data, Iterator) or (
           older is not None and hasattr(train_data, "set_state")):
         return damaged
@@ -625,7 +627,7 @@ class Trainer:
         resumes = (f"this Trainer's own state (step {int(self.state.step)}), after batch"
                    f" {newest_index(self._loop.data)} of the data")
       else:
-        resumes = "the beginning (no older step restores)"
+        resumes = f"the state set on this Trainer (step {int(self.state.step)})"
       raise CorruptCheckpointError(
           f"checkpoint step {damaged.step} is damaged, so fit continues from {resumes}; but"
           " train_data is a one-shot iterator, already moved to the damaged step's"
@@ -648,8 +650,30 @@ class Trainer:
     self._build(example)
     check_labels_fit_predictions(self._prediction_shapes, example.labels)
     self._restore(example, history)
+    if self._loop is None:  # Nothing restored, and no fit of this Trainer to continue.
+      self._refuse_to_start_over()
     self._ensure_state()
     return True
+
+  def _refuse_to_start_over(self) -> None:
+    """Raises when the workdir holds step directories but none of them restores.
+
+    Starting from fresh state beside them would hide a lost run behind a
+    quiet restart (every step found damaged, or copied without its files).
+    """
+    if self._checkpoints is None or self._checkpoints.latest_step() is not None:
+      return
+    unrestorable = self._checkpoints.unrestorable_steps()
+    if not unrestorable:
+      return
+    steps = "; ".join(f"step {step}: {why.rstrip('.')}"
+                      for step, why in reversed(unrestorable.items()))
+    raise CorruptCheckpointError(
+        f"{self._checkpoints.directory} holds checkpoint steps, but none of them restores"
+        f" ({steps}). A Trainer does not start over beside them (nor evaluate untrained"
+        " tables): repair them (e.g. copy them again from their source), or move them out of"
+        f" {self._checkpoints.directory} to start training from scratch."
+    )
 
   def _report_skipped(self, history: History) -> None:
     """The batches the state fit starts from records as skipped (`History.skipped_batches`)."""
@@ -797,6 +821,8 @@ class Trainer:
         if first:
           self._build(prepared.batch)
           self._adopt_newer_checkpoint()
+          if self.state is None:
+            self._refuse_to_start_over()
           self._ensure_state()
           first = False
         yield prepared.batch

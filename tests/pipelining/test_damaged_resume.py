@@ -156,21 +156,45 @@ def test_an_iterator_with_set_state_goes_back_to_the_older_steps_position(tmp_pa
   assert_same_run(resumed, reference_run(batches))
 
 
-def test_a_one_shot_iterator_that_cannot_go_back_is_told_to_start_again(tmp_path):
-  """Step 5, the only step, is damaged: the run starts over, but the iterator was set to
-  step 5's position already, and a one-shot iterator has no state to go back to."""
+@pytest.mark.parametrize("one_shot", [False, True])
+def test_a_workdir_whose_only_step_is_damaged_is_refused_not_started_over(tmp_path, one_shot):
+  """Step 5, the only step, fails its checksum: fit started the run over from step 0
+  (an iterator was told to start again), so a lost run looked like a fresh one."""
   batches = make_batches(7, seed=127)
-  make_trainer(tmp_path, save_every=5).fit(Positioned(batches), num_steps=5)
-  flip_a_byte(tmp_path / "checkpoints" / "5")
+  data = (lambda: Positioned(batches)) if one_shot else (lambda: batches)
+  make_trainer(tmp_path, save_every=5).fit(data(), num_steps=5)
+  root = tmp_path / "checkpoints"
+  flip_a_byte(root / "5")
   resumed = make_trainer(tmp_path, save_every=5)
-  with pytest.raises(ck.CorruptCheckpointError,
-                     match=r"(?s)step 5 is damaged, so fit continues from the beginning.*"
-                           r"one-shot iterator.*an iterator of the data that starts there"
-                           r".*Why step 5 is damaged.*checksum"):
-    resumed.fit(Positioned(batches))
-  history = resumed.fit(Positioned(batches))
+  for _ in range(2):  # The same again: nothing was trained, saved or moved.
+    with pytest.raises(ck.CorruptCheckpointError,
+                       match=rf"(?s){root} holds checkpoint steps, but none of them restores"
+                             r" \(step 5: a restore found it damaged.*checksum.*does not start"
+                             rf" over.*move them out of {root}"):
+      resumed.fit(data())
+    assert sorted(p.name for p in root.iterdir()) == ["5"] and resumed.state is None
+  (root / "5").rename(tmp_path / "damaged-5")  # What the message says.
+  history = resumed.fit(data())
   assert history.resumed_from is None and history.final_step == 7
   assert_same_run(resumed, reference_run(batches))
+
+
+def test_every_step_damaged_or_incomplete_is_refused_by_fit_evaluate_and_predict(tmp_path):
+  """Steps 2 and 4 both damaged (a chunk and the integrity manifest): fit trained from
+  step 0, with warnings that an older complete step was used, and evaluate and predict
+  used untrained tables."""
+  batches = make_batches(6, seed=131)
+  make_trainer(tmp_path, save_every=2).fit(batches, num_steps=4)
+  root = tmp_path / "checkpoints"
+  flip_a_byte(root / "4")
+  (root / "2" / "integrity.json").write_text("")
+  trainer = make_trainer(tmp_path, save_every=2)
+  message = (rf"(?s)none of them restores \(step 4: a restore found it damaged.*; step 2: .*"
+             r"integrity.json.*\)\. A Trainer does not start over")
+  for call in (trainer.evaluate, trainer.predict, trainer.fit):
+    with pytest.raises(ck.CorruptCheckpointError, match=message):
+      call(batches)
+  assert sorted(p.name for p in root.iterdir()) == ["2", "4"] and trainer.state is None
 
 
 def test_evaluate_of_a_new_trainer_uses_the_newest_step_that_restores(tmp_path):
