@@ -191,6 +191,12 @@ def convert(
     return_freed_memory()
   src, dst = epath.Path(src), epath.Path(dst)
   _storage.check_local_path(dst)
+  if _integrity.is_link(dst):
+    raise ValueError(
+        f"{dst} is a symbolic link (to {os.readlink(os.fspath(dst))}): convert writes a real"
+        " directory and never writes through or replaces a link. Pass the directory it"
+        " points to, or another destination."
+    )
   _check_destination(src, dst)
   item = src if (src / MANIFEST_FILE).exists() else find_item(src)
   if dst.exists() and not overwrite:

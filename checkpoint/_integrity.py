@@ -39,6 +39,7 @@ import concurrent.futures
 import dataclasses
 import json
 import os
+import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal
 
@@ -197,6 +198,12 @@ def build_manifest(step_dir: epath.Path) -> dict[str, FileEntry]:
         " checkpoint is plain files. Save the items as files, not links."
     )
   rels = [rel for rel, _, _ in found if rel not in COMMIT_FILES and rel != INTEGRITY_FILE]
+  unmerged = unmerged_ocdbt_items(rels)
+  if unmerged:
+    raise CorruptCheckpointError(
+        f"the checkpoint being written at {step_dir} is not complete: {_UNMERGED}"
+        f" {', '.join(unmerged)}. It is not marked complete."
+    )
   checksummed = _zarr_checksummed_dirs(step_dir, rels)
 
   def entry(rel: str) -> FileEntry:
@@ -206,6 +213,24 @@ def build_manifest(step_dir: epath.Path) -> dict[str, FileEntry]:
     return FileEntry(path.stat().length, crc32c_of_file(path)[0])
 
   return dict(zip(rels, _concurrently(step_dir, entry, rels)))
+
+
+_OCDBT_PART = re.compile(r"^(.*?)/?ocdbt\.process_\d+/")
+_UNMERGED = ("Orbax never merged the per-process parts of its OCDBT items (a part without"
+             " the item's own manifest.ocdbt, which a restore reads):")
+
+
+def unmerged_ocdbt_items(rels: Iterable[str]) -> list[str]:
+  """The OCDBT items among a step's files `rels` that hold per-process parts
+  (`<item>/ocdbt.process_<n>/...`) but not the merged `<item>/manifest.ocdbt`.
+
+  Orbax writes every process's part, then merges them into the item's own
+  manifest; an item left unmerged does not restore.
+  """
+  rels = set(rels)
+  items = {match.group(1) for rel in rels if (match := _OCDBT_PART.match(rel))}
+  return sorted(item for item in items
+                if (f"{item}/manifest.ocdbt" if item else "manifest.ocdbt") not in rels)
 
 
 def _concurrently(step_dir: epath.Path, fn: Callable, items: list) -> list:
@@ -363,6 +388,8 @@ def check_step(
     problems.append(
         Problem("foreign", on_disk[rel], "not written by the checkpoint manager; left alone")
     )
+  for item in unmerged_ocdbt_items(rel for rel in files if selected(rel)):
+    problems.append(Problem("error", step_dir / item, f"{_UNMERGED} this one does not restore"))
   return problems
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -142,6 +143,8 @@ class CheckpointManager:
     if not self._directory.is_absolute():  # Orbax needs absolute paths with several processes
       self._directory = self._directory.resolve()
     _storage.check_local_path(self._directory)  # Before anything is written there.
+    if not read_only:
+      _check_orbax_can_save_under(self._directory)
     metric_fn = None
     if best_metric is not None:
       metric_fn = _nan_ranks_worst(
@@ -646,6 +649,26 @@ class CheckpointManager:
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+def _check_orbax_can_save_under(directory: epath.Path) -> None:
+  """Raises for a root whose path holds '[' or ']': Orbax's saves would never finish there.
+
+  Orbax finds the per-process parts of a dense (OCDBT) item with a glob
+  pattern below the item's path; a '[...]' in that path reads as a character
+  class that does not match the path itself, so the parts are never merged and
+  the item never restores. Steps saved elsewhere and moved there restore.
+  """
+  text = os.fspath(directory)
+  found = sorted({char for char in "[]" if char in text})
+  if found:
+    raise ValueError(
+        f"checkpoint directory {text!r} contains {' and '.join(repr(c) for c in found)}:"
+        " Orbax looks up the parts of a saved item with a glob pattern below it, where"
+        " '[...]' is a character class, so a save there would never complete its dense items"
+        " and they would not restore. Choose a directory whose path has no '[' or ']' (e.g."
+        " 'exp-1' for 'exp[1]'); reading such a directory (read_only=True) works."
+    )
 
 
 def _embedding_registry(embedding_item: str) -> ocp.handlers.DefaultCheckpointHandlerRegistry:

@@ -15,7 +15,10 @@ the step that holds it (`_integrity.check_step`):
                            checked as they are read, as `verify` does;
   a delta item             also the embedding item of every earlier step of
                            its chain (base and earlier deltas), which the
-                           conversion reads too.
+                           conversion reads too: at depth 'full', every
+                           chunk's CRC32C included, since the conversion
+                           skips the chunks whose rows later deltas rewrote
+                           (damage there would vanish from the output).
 
 Depth 'items' (what `convert` asks for) checks every file's size and, where
 the manifest records one, its CRC32C: the JSON files (the item's manifest,
@@ -74,7 +77,8 @@ def verify_source(
   # The earlier steps must have manifests too (a replaced one is named after damaged ones).
   for link, _ in walk_chain(item, check_ids=False)[:-1]:
     _require_manifest(link.parent)
-  _integrity.raise_for(chain_problems(item, depth),
+  earlier_depth: Depth = "structure" if depth == "structure" else "full"
+  _integrity.raise_for(chain_problems(item, earlier_depth),
                        f"the delta chain of {item} being converted (its earlier steps)")
   return [problem for problem in problems if problem.severity == "foreign"]
 

@@ -17,9 +17,10 @@ from __future__ import annotations
 import json
 import re
 
+import tensorstore as ts
 from etils import epath
 
-from checkpoint import _integrity
+from checkpoint import _errors, _integrity, _storage
 from checkpoint._chain import chain_problems, check_chain_states, delta_manifest
 from checkpoint._delta import IDS, DeltaItem, DeltaManifest
 from checkpoint._direct import chunk_file
@@ -30,7 +31,8 @@ from checkpoint._reader import CheckpointReader
 from checkpoint._source import step_of_item
 
 _STEP = re.compile(r"^\d+$")
-_ROOT_FILES = frozenset({"_CHECKPOINT_METADATA", "descriptor", "metadata"})
+_ORBAX_STEP_METADATA = "_CHECKPOINT_METADATA"
+_ROOT_FILES = frozenset({_ORBAX_STEP_METADATA, "descriptor", "metadata"})
 
 
 def verify(path: epath.PathLike) -> list[Problem]:
@@ -258,14 +260,59 @@ def adopt_step(step_dir: epath.PathLike) -> list[Problem]:
   if problems:
     return problems
   for rel, path, kind in _integrity.walk(step_dir):
-    if kind == "file" and (path.name.endswith(".json") or path.name == "_CHECKPOINT_METADATA"):
+    if kind == "file" and (path.name.endswith(".json") or path.name == _ORBAX_STEP_METADATA):
       try:
         json.loads(path.read_text())
       except (OSError, ValueError) as error:
         problems.append(Problem("error", path, f"is not readable JSON ({error})"))
+  problems.extend(_listed_item_problems(step_dir))
+  for item in _integrity.unmerged_ocdbt_items(rel for rel, _, _ in _integrity.walk(step_dir)):
+    problems.append(Problem("error", step_dir / item, "holds per-process OCDBT parts but no"
+                            " merged manifest.ocdbt: Orbax never finished it; it does not restore"))
   for child in sorted(step_dir.iterdir(), key=lambda p: p.name):
     if child.is_dir() and (child / MANIFEST_FILE).exists():
       problems.extend(verify_item(child))
+    elif child.is_dir() and (child / "manifest.ocdbt").exists():
+      problems.extend(_ocdbt_item_problems(child))
   if not _integrity.errors(problems):
     _integrity.write_manifest(step_dir)
   return problems
+
+
+def _listed_item_problems(step_dir: epath.Path) -> list[Problem]:
+  """The items Orbax's step metadata (`_CHECKPOINT_METADATA`) lists, against the step.
+
+  Each must be a directory of the step, and an embedding item must hold its
+  manifest.json: a copy that lost one of them would otherwise be adopted.
+  """
+  path = step_dir / _ORBAX_STEP_METADATA
+  try:
+    handlers = json.loads(path.read_text()).get("item_handlers") or {}
+  except (OSError, ValueError, AttributeError):
+    return []  # No readable step metadata: named by the JSON check, or none was written.
+  problems = []
+  for name, handler in sorted(handlers.items()):
+    item = step_dir / name
+    if not item.is_dir():
+      problems.append(Problem("error", item, f"is missing: {path.name} lists item {name!r}"
+                              f" ({handler}), so the step is a partial copy"))
+    elif "EmbeddingCheckpointHandler" in str(handler) and not (item / MANIFEST_FILE).exists():
+      problems.append(Problem("error", item / MANIFEST_FILE,
+                              "is missing: an embedding item without it does not restore"))
+  return problems
+
+
+def _ocdbt_item_problems(item: epath.Path) -> list[Problem]:
+  """Reads every key of an OCDBT item (Orbax's PyTree items) through TensorStore: a data
+  file it references that is missing or truncated fails the read."""
+  try:
+    store = ts.KvStore.open({"driver": "ocdbt", "base": _storage.kvstore_spec(item)}).result()
+    for key in store.list().result():
+      store.read(key).result()
+  except CheckpointReadError:
+    raise
+  except Exception as error:  # noqa: BLE001 - TensorStore raises ValueError and others
+    if _errors.storage_failure(error) is not None:
+      raise _errors.read_error(error, f"reading {item} failed") from error
+    return [Problem("error", item, f"does not read back: {error}")]
+  return []

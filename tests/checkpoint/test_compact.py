@@ -158,3 +158,36 @@ def test_nothing_is_removed_beside_a_link_in_the_steps_place(saved, tmp_path):
     ck.CheckpointManager(root, keep_latest=10).close()
   assert os.path.islink(root / str(STEP))
   assert _is_full(tmp_path / "elsewhere") and not _is_full(root / f"{STEP}{REPLACED_SUFFIX}")
+
+
+def test_a_damaged_chunk_that_later_deltas_rewrote_is_refused_by_convert_and_compact(tmp_path):
+  """Step 2 rewrites every row of step 1's delta, so converting step 2 never reads step 1's
+  chunks: a damaged one went unnoticed, and the output verified clean."""
+  model = make_model(SPECS, seed=9)
+  layout = model.layout([["a", "b"], ["c"]], 2, 1)
+  rng = np.random.default_rng(9)
+  tracker = ck.UpdatedRows(layout)
+  root = tmp_path / "root"
+  policy = ck.IncrementalPolicy(max_delta_share=1.0)
+  with ck.CheckpointManager(root, keep_latest=10, incremental=policy) as manager:
+    for step, share in enumerate([0.0, 0.1, 1.0]):
+      if step:
+        touch_rows(model, layout, tracker, rng, share)
+      tables, slots = model.state(layout)
+      manager.save(step, ck.EmbeddingSave(tables, slots, layout, model.slot_specs(layout)),
+                   updated_rows=tracker, force=True)
+      manager.wait_until_finished()
+  assert [link["kind"] for link in ck.inspect(root / "2")["embedding"]["chain"]] == [
+      "full", "delta", "delta"]
+  chunk = next(p for p in sorted((root / "1" / "embedding").rglob("*"))
+               if p.is_file() and "/table/c/" in str(p))
+  data = bytearray(chunk.read_bytes())
+  data[len(data) // 2] ^= 0x5A
+  chunk.write_bytes(bytes(data))
+  assert [p.path for p in ck.verify(root) if p.severity == "error"] == [chunk]
+  with pytest.raises(ck.CorruptCheckpointError, match=rf"{chunk}: chunk checksum mismatch"):
+    ck.convert(root / "2", tmp_path / "converted", ck.relayout(layout, num_devices=1))
+  assert not (tmp_path / "converted").exists()
+  with pytest.raises(ck.CorruptCheckpointError, match=rf"{chunk}: chunk checksum mismatch"):
+    compact(root / "2")
+  assert not _is_full(root / "2")

@@ -192,6 +192,22 @@ def test_conversion_streams_in_blocks_and_refuses_to_overwrite(tmp_path):
   _check_tables(model, tmp_path / "b")
 
 
+@pytest.mark.parametrize("overwrite", [True, False])
+def test_a_destination_that_is_a_symbolic_link_is_refused_before_anything_is_written(
+    tmp_path, overwrite):
+  """With overwrite, the link was renamed aside, the conversion put in its place, and the
+  deletion of the renamed link failed ("Cannot call rmtree on a symbolic link")."""
+  _saved(tmp_path / "a")
+  (tmp_path / "real").mkdir()
+  (tmp_path / "link").symlink_to(tmp_path / "real")
+  (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+  for dst in (tmp_path / "link", tmp_path / "dangling"):
+    with pytest.raises(ValueError, match=rf"{dst} is a symbolic link .*never writes through"):
+      ck.convert(tmp_path / "a", dst, "unstacked", overwrite=overwrite)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "dangling", "link", "real"]
+  assert not list((tmp_path / "real").iterdir())
+
+
 def test_conversion_can_change_the_codecs(tmp_path):
   model, layout = _saved(tmp_path / "a")
   storage = ck.StorageOptions(

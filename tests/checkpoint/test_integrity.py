@@ -382,3 +382,38 @@ def test_a_refused_read_of_an_items_layout_or_manifest_names_the_file_and_marks_
     assert mngr.why_unrestorable(2) is None and mngr.latest_step() == 2
     restored = mngr.restore(None, restore)["embedding"]
   assert_same_bits(restored.tables["a__b"], template.oracle[2]["tables"]["a__b"])
+
+
+@pytest.mark.parametrize("name", ["exp[1]", "runs]"])
+def test_a_root_whose_path_orbax_globs_wrongly_is_refused_for_saves(tmp_path, template, name):
+  """Orbax merges a dense item's per-process parts found by a glob below the item: under
+  'exp[1]' it found none, so every step was saved unmerged, listed complete, verified
+  clean, and failed every restore with TensorStore's NOT_FOUND."""
+  root = tmp_path / name / "checkpoints"
+  with pytest.raises(ValueError, match=r"contains '[\[\]]'.*glob.*no '\[' or '\]'"):
+    ck.CheckpointManager(root)
+  assert not root.exists()
+  shutil.copytree(template.root, root)  # Saved elsewhere: it reads.
+  layout = template.layout
+  with ck.CheckpointManager(root, read_only=True) as mngr:
+    restored = mngr.restore(None, ck.EmbeddingRestore(layout, make_mesh(layout.num_devices),
+                                                      AXIS))["embedding"]
+  assert_same_bits(restored.tables["a__b"], template.oracle[2]["tables"]["a__b"])
+
+
+def test_a_dense_item_orbax_never_merged_is_not_marked_complete_nor_listed(root):
+  dense = root / "2" / "dense"
+  assert (dense / "manifest.ocdbt").exists() and list(dense.glob("ocdbt.process_*"))
+  (dense / "manifest.ocdbt").unlink()
+  with pytest.raises(ck.CorruptCheckpointError, match=r"never merged .*: dense\. It is not"):
+    _integrity.write_manifest(root / "2")
+  # A step listed so by an older version: an error, and the step is skipped.
+  files = _integrity.read_manifest(root / "2")
+  del files["dense/manifest.ocdbt"]
+  (root / "2" / _integrity.INTEGRITY_FILE).write_text(_integrity.manifest_json(files))
+  problems = [p for p in ck.verify(root) if p.severity == "error"]
+  assert [str(p.path) for p in problems] == [str(dense)], problems
+  assert "never merged" in problems[0].message
+  with pytest.warns(RuntimeWarning, match=r"2 is skipped: .*never merged"):
+    with ck.CheckpointManager(root, read_only=True) as mngr:
+      assert mngr.latest_step() == 1

@@ -9,11 +9,15 @@ manifest, after which it restores bit for bit.
 from __future__ import annotations
 
 import json
+import re
+import shutil
 
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 import checkpoint as ck
+import fault_lib
 from checkpoint.cli import main
 from ckpt_testlib import AXIS, make_mesh, make_model
 from sc_framework.optimizers import RowWiseAdagrad
@@ -89,3 +93,49 @@ def test_adopt_refuses_an_array_whose_metadata_no_restore_can_read(tmp_path, cap
   assert main(["verify", "--adopt", str(tmp_path / "5")]) == 1
   assert not (tmp_path / "5" / "integrity.json").exists()
   assert str(metadata) in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def full_steps(tmp_path_factory):
+  """Steps 1 and 2 with every item a Trainer saves (embedding, dense, in_flight, meta)."""
+  return fault_lib.build_template(tmp_path_factory.mktemp("full") / "checkpoints")
+
+
+def _remove_dense_data_file(step_dir):
+  next(p for p in sorted((step_dir / "dense" / "d").iterdir()) if p.is_file()).unlink()
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda step: shutil.rmtree(step / "embedding"),
+     r"embedding: is missing: _CHECKPOINT_METADATA lists item 'embedding'"),
+    (lambda step: shutil.rmtree(step / "meta"),
+     r"meta: is missing: _CHECKPOINT_METADATA lists item 'meta'"),
+    (lambda step: (step / "embedding" / "manifest.json").unlink(),
+     r"embedding/manifest.json: is missing: an embedding item without it does not restore"),
+    (_remove_dense_data_file, r"dense: does not read back: NOT_FOUND"),
+    (lambda step: (step / "dense" / "manifest.ocdbt").unlink(),
+     r"dense: holds per-process OCDBT parts but no merged manifest.ocdbt"),
+], ids=["embedding item", "meta item", "embedding manifest", "dense data file",
+        "dense never merged"])
+def test_adopt_refuses_a_partial_copy(full_steps, tmp_path, capsys, damage, message):
+  """Each was adopted (0 errors, integrity.json written); a Trainer then raised
+  MissingItemError or TensorStore's NOT_FOUND on every resume."""
+  root = tmp_path / "checkpoints"
+  shutil.copytree(full_steps.root, root)
+  step = root / "2"
+  (step / "integrity.json").unlink()
+  damage(step)
+  assert main(["verify", "--adopt", str(step)]) == 1
+  assert re.search(message, capsys.readouterr().out)
+  assert not (step / "integrity.json").exists()
+
+
+def test_adopt_of_a_whole_copy_restores_every_item(full_steps, tmp_path):
+  root = tmp_path / "checkpoints"
+  shutil.copytree(full_steps.root, root)
+  (root / "2" / "integrity.json").unlink()
+  assert main(["verify", "--adopt", str(root / "2")]) == 0
+  with ck.CheckpointManager(root, read_only=True) as mngr:
+    assert mngr.latest_step() == 2
+    meta = mngr.restore(2, items={"meta": ocp.args.JsonRestore()})["meta"]
+  assert meta == full_steps.oracle[2]["meta"]
