@@ -163,6 +163,7 @@ class CheckpointManager:
       raise TypeError(f"incremental must be an IncrementalPolicy or None, got {incremental!r}.")
     self._incremental = IncrementalSaves(incremental, self._directory, embedding_item)
     self._damaged = _steps.DamagedSteps(self._directory)
+    self._warn_skipped = _steps.SkipWarnings()
     self._read_only = read_only
     if not read_only:
       # Compactions first: a killed one leaves `<step>.compacting` plus a temporary
@@ -192,7 +193,7 @@ class CheckpointManager:
         enable_async_checkpointing=async_save,
         create=not read_only,
         read_only=read_only,
-        step_name_format=_steps.CompleteSteps(ocp.step.standard_name_format()),
+        step_name_format=_steps.CompleteSteps(ocp.step.standard_name_format(), self._warn_skipped),
         temporary_path_class=_steps.committing_manifest(self._directory),
     )
     self._manager = ocp.CheckpointManager(
@@ -408,7 +409,7 @@ class CheckpointManager:
       tried.add(candidate)
       broken = self.why_unrestorable(candidate)
       if broken is not None:
-        _steps.warn_skipped(self._directory / str(candidate), broken)
+        self._warn_skipped(self._directory / str(candidate), broken)
         continue
       fingerprint = self._damaged.fingerprint(candidate)
       try:
@@ -422,7 +423,8 @@ class CheckpointManager:
           raise
         self._damaged.add(candidate, str(error), fingerprint)
         last_error = error
-        _steps.warn_skipped(self._directory / str(candidate), str(error))
+        self._warn_skipped(self._directory / str(candidate),
+                           self.why_unrestorable(candidate) or str(error))
     if last_error is not None:
       raise last_error
     raise NotACheckpointError(f"{self._directory} holds no complete checkpoint to restore.")
@@ -580,7 +582,7 @@ class CheckpointManager:
       broken = self.why_unrestorable(step)
       if broken is None:
         return step
-      _steps.warn_skipped(self._directory / str(step), broken)
+      self._warn_skipped(self._directory / str(step), broken)
     unverified = _steps.unmanifested_steps(self._directory)
     if unverified:
       raise NotACheckpointError(_steps.unverified_steps_error(self._directory, unverified))

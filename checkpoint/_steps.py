@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -94,14 +94,32 @@ def unverified_steps_error(directory: epath.Path, steps: list[epath.Path]) -> st
   )
 
 
-def warn_skipped(step_dir: epath.Path, why: str) -> None:
+def warn_skipped(step_dir: epath.Path, why: str, *, stacklevel: int = 3) -> None:
   warnings.warn(
       f"checkpoint step {step_dir} is skipped: {why.rstrip('.')}. Restores take the newest"
       " older step that restores, if there is one; this one is left as it is (never deleted):"
       " remove or repair it yourself.",
       RuntimeWarning,
-      stacklevel=3,
+      stacklevel=stacklevel,
   )
+
+
+class SkipWarnings:
+  """`warn_skipped`, once per step directory and reason.
+
+  A manager lists its steps on every `latest_step`, restore and save (and a
+  Trainer asks for the newest step several times as a fit starts): each would
+  name the same skipped step again.
+  """
+
+  def __init__(self):
+    self._warned: set[tuple[str, str]] = set()
+
+  def __call__(self, step_dir: epath.Path, why: str) -> None:
+    key = (str(step_dir), why)
+    if key not in self._warned:
+      self._warned.add(key)
+      warn_skipped(step_dir, why, stacklevel=4)
 
 
 class DamagedSteps:
@@ -149,8 +167,9 @@ class DamagedSteps:
 class CompleteSteps:
   """An Orbax step NameFormat that sees complete steps only (see the module doc)."""
 
-  def __init__(self, base: Any):
+  def __init__(self, base: Any, warn_skipped: Callable[[epath.Path, str], None] = warn_skipped):
     self._base = base
+    self._warn_skipped = warn_skipped
 
   def build_name(self, step: int) -> str:
     return self._base.build_name(step)
@@ -161,7 +180,7 @@ class CompleteSteps:
       if why is None:
         yield metadata
       else:
-        warn_skipped(epath.Path(metadata.path), why)
+        self._warn_skipped(epath.Path(metadata.path), why)
 
   def find_step(self, base_path: epath.PathLike, step: int) -> Any:
     metadata = self._base.find_step(base_path, step)

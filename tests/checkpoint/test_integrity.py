@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 
 import numpy as np
 from etils import epath
@@ -417,3 +418,25 @@ def test_a_dense_item_orbax_never_merged_is_not_marked_complete_nor_listed(root)
   with pytest.warns(RuntimeWarning, match=r"2 is skipped: .*never merged"):
     with ck.CheckpointManager(root, read_only=True) as mngr:
       assert mngr.latest_step() == 1
+
+
+def test_a_skipped_step_is_named_once_per_manager_and_reason(root, template):
+  """Listing, latest_step and restore(None) each warned, from their own lines (2-3 times)."""
+  chunk = fault_lib.TARGETS["table chunk"](root / "2")
+  fault_lib._flip(chunk)
+  layout = template.layout
+  restore = ck.EmbeddingRestore(layout, make_mesh(layout.num_devices), AXIS)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with ck.CheckpointManager(root) as mngr:
+      for _ in range(2):
+        mngr.restore(None, restore)
+        assert mngr.latest_step() == 1
+      (root / "1" / "integrity.json").write_text("")  # Another reason, another step.
+      mngr.reload()
+      for _ in range(2):
+        assert mngr.latest_step() is None
+  skipped = [str(w.message) for w in caught if "is skipped" in str(w.message)]
+  assert len(skipped) == 2, "\n".join(skipped)
+  assert f"{root / '2'} is skipped: a restore found it damaged" in skipped[0]
+  assert f"{root / '1'} is skipped: " in skipped[1]
