@@ -15,6 +15,7 @@ from etils import epath
 from checkpoint._errors import NotACheckpointError
 from checkpoint._format import MANIFEST_FILE
 from checkpoint._chain import ChainReader, chain_summary, open_reader, save_id_of
+from checkpoint import _integrity
 from checkpoint._integrity import is_link
 from checkpoint._optimizers import common_name
 from checkpoint._steps import manifest_problem
@@ -128,7 +129,7 @@ def inspect(path: epath.PathLike) -> dict[str, Any]:
   children = [child for child in path.iterdir() if child.is_dir() and not is_link(child)]
   items = sorted(child.name for child in children if not child.name.startswith("."))
   embedding = [child for child in children if (child / MANIFEST_FILE).exists()]
-  if (path / "_CHECKPOINT_METADATA").exists() or embedding:
+  if (path / _integrity.ORBAX_STEP_METADATA).exists() or embedding:
     out: dict[str, Any] = {"path": str(path), "step": _step_of(path), "items": items}
     if len(embedding) == 1:
       out["embedding_item"] = embedding[0].name
@@ -139,7 +140,7 @@ def inspect(path: epath.PathLike) -> dict[str, Any]:
       for child in children
       if _TMP_MARK not in child.name
       and (step := _step_of(child)) is not None
-      and (child / "_CHECKPOINT_METADATA").exists()
+      and (child / _integrity.ORBAX_STEP_METADATA).exists()
   }
   incomplete = {child: manifest_problem(child) for child in candidates}
   steps = sorted(step for child, step in candidates.items() if incomplete[child] is None)

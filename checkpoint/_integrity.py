@@ -52,7 +52,8 @@ INTEGRITY_FILE = "integrity.json"
 FORMAT_NAME = "sc_framework.step_integrity"
 FORMAT_VERSION = 1
 # Written or rewritten by Orbax's commit after the manifest; never read as data.
-COMMIT_FILES = frozenset({"_CHECKPOINT_METADATA", "commit_success.txt"})
+ORBAX_STEP_METADATA = "_CHECKPOINT_METADATA"  # Orbax's step metadata: items, their handlers
+COMMIT_FILES = frozenset({ORBAX_STEP_METADATA, "commit_success.txt"})
 _READ_BYTES = 16 << 20
 _SMALL_FILE = 1 << 20
 # Files of a cloud step sized, read or checksummed at once: a step has one file per

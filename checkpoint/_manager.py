@@ -28,6 +28,7 @@ step is always kept (keep_latest >= 1).
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import math
 import os
@@ -259,6 +260,7 @@ class CheckpointManager:
       if embedding is not None and isinstance(embedding, EmbeddingSave):
         embedding = self._incremental.args_for(step, embedding, updated_rows, save_kind)
       args = self._composite(embedding, items, EmbeddingSave)
+      _check_orbax_can_save_under(self._directory, list(args.keys()))
       if force or self._manager.should_save(step):
         self._set_aside_an_unrestorable_step(step)
         self._damaged.forget(step)
@@ -591,11 +593,13 @@ class CheckpointManager:
   def unrestorable_steps(self) -> dict[int, str]:
     """Step -> why, for every step directory of the root that does not restore.
 
-    Real directories named by a step number that are not complete
-    (`_steps.manifest_problem`; a step without any integrity manifest is
-    named as such) or that `why_unrestorable` refuses (found damaged, a
-    broken delta chain). Steps set aside (`<step>.incomplete-<k>`) and
-    unfinished saves are not step directories.
+    Real directories named by a step number, holding what a save writes
+    (Orbax's `_CHECKPOINT_METADATA` or an integrity manifest), that are not
+    complete (`_steps.manifest_problem`; a step without any integrity
+    manifest is named as such) or that `why_unrestorable` refuses (found
+    damaged, a broken delta chain). Steps set aside
+    (`<step>.incomplete-<k>`), unfinished saves, and numbered directories
+    that hold neither (empty, or a folder of the user's) are not listed.
     """
     complete = set(self.all_steps())
     found = {}
@@ -603,6 +607,9 @@ class CheckpointManager:
       return found
     for child in self._directory.iterdir():
       if not child.name.isdigit() or _integrity.is_link(child) or not child.is_dir():
+        continue
+      if not any((child / marker).exists()
+                 for marker in (_integrity.INTEGRITY_FILE, _integrity.ORBAX_STEP_METADATA)):
         continue
       step = int(child.name)
       if step in complete:
@@ -653,23 +660,30 @@ class CheckpointManager:
     self.close()
 
 
-def _check_orbax_can_save_under(directory: epath.Path) -> None:
-  """Raises for a root whose path holds '[' or ']': Orbax's saves would never finish there.
+def _glob_misreads(path: str) -> list[str]:
+  """The parts of `path` that, read as glob patterns, do not match themselves ('a[1]':
+  '[1]' is a character class; an unmatched bracket, '*' and '?' match themselves)."""
+  return [part for part in path.split("/") if part and not fnmatch.fnmatchcase(part, part)]
+
+
+def _check_orbax_can_save_under(directory: epath.Path, item_names=()) -> None:
+  """Raises for a root or item name that Orbax's saves would never finish.
 
   Orbax finds the per-process parts of a dense (OCDBT) item with a glob
-  pattern below the item's path; a '[...]' in that path reads as a character
-  class that does not match the path itself, so the parts are never merged and
-  the item never restores. Steps saved elsewhere and moved there restore.
+  pattern below the item's path; a name like 'exp[1]' reads as a pattern
+  that does not match itself, so the parts are never merged and the item
+  never restores. Steps saved elsewhere and moved there restore.
   """
-  text = os.fspath(directory)
-  found = sorted({char for char in "[]" if char in text})
-  if found:
+  wrong = _glob_misreads(os.fspath(directory)) + [
+      name for name in item_names if _glob_misreads(name)]
+  if wrong:
     raise ValueError(
-        f"checkpoint directory {text!r} contains {' and '.join(repr(c) for c in found)}:"
-        " Orbax looks up the parts of a saved item with a glob pattern below it, where"
-        " '[...]' is a character class, so a save there would never complete its dense items"
-        " and they would not restore. Choose a directory whose path has no '[' or ']' (e.g."
-        " 'exp-1' for 'exp[1]'); reading such a directory (read_only=True) works."
+        f"cannot save checkpoints under {os.fspath(directory)!r} with items"
+        f" {sorted(item_names)}: {wrong} contain '[...]', which Orbax's saves read as a glob"
+        " character class (it looks up the parts of a saved item with a glob pattern), so"
+        " they would never complete their dense items, and those would not restore. Rename"
+        " them without '[' and ']' (e.g. 'exp-1' for 'exp[1]'). Steps saved elsewhere and"
+        " copied there can be read by a CheckpointManager with read_only=True."
     )
 
 

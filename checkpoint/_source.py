@@ -41,8 +41,6 @@ from checkpoint._chain import chain_problems, walk_chain
 from checkpoint._errors import NotACheckpointError
 from checkpoint._integrity import Depth, Problem
 
-_ORBAX_STEP_METADATA = "_CHECKPOINT_METADATA"
-
 
 def verify_source(
     src: epath.Path, item: epath.Path | None, *, depth: Depth = "items"
@@ -89,7 +87,7 @@ def step_of_item(item: epath.Path) -> epath.Path | None:
   integrity = step / _integrity.INTEGRITY_FILE
   if _integrity.is_link(integrity) or integrity.exists():
     return step
-  return step if (step / _ORBAX_STEP_METADATA).exists() else None
+  return step if (step / _integrity.ORBAX_STEP_METADATA).exists() else None
 
 
 def _check(step: epath.Path, items: list[str] | None, depth: Depth) -> list[Problem]:

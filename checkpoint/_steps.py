@@ -75,7 +75,7 @@ def unmanifested_steps(directory: epath.Path) -> list[epath.Path]:
   found = []
   for child in directory.iterdir():
     if (child.name.isdigit() and not _integrity.is_link(child) and child.is_dir()
-        and (child / "_CHECKPOINT_METADATA").exists()
+        and (child / _integrity.ORBAX_STEP_METADATA).exists()
         and not (child / _integrity.INTEGRITY_FILE).exists()):
       found.append(child)
   return sorted(found, key=lambda path: int(path.name))

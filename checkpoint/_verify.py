@@ -14,6 +14,7 @@ and (where stored with checksums) matching them.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 
@@ -31,8 +32,7 @@ from checkpoint._reader import CheckpointReader
 from checkpoint._source import step_of_item
 
 _STEP = re.compile(r"^\d+$")
-_ORBAX_STEP_METADATA = "_CHECKPOINT_METADATA"
-_ROOT_FILES = frozenset({_ORBAX_STEP_METADATA, "descriptor", "metadata"})
+_ROOT_FILES = frozenset({_integrity.ORBAX_STEP_METADATA, "descriptor", "metadata"})
 
 
 def verify(path: epath.PathLike) -> list[Problem]:
@@ -260,59 +260,135 @@ def adopt_step(step_dir: epath.PathLike) -> list[Problem]:
   if problems:
     return problems
   for rel, path, kind in _integrity.walk(step_dir):
-    if kind == "file" and (path.name.endswith(".json") or path.name == _ORBAX_STEP_METADATA):
+    if kind == "file" and (path.name.endswith(".json")
+                           or path.name == _integrity.ORBAX_STEP_METADATA):
       try:
         json.loads(path.read_text())
       except (OSError, ValueError) as error:
         problems.append(Problem("error", path, f"is not readable JSON ({error})"))
-  problems.extend(_listed_item_problems(step_dir))
-  for item in _integrity.unmerged_ocdbt_items(rel for rel, _, _ in _integrity.walk(step_dir)):
-    problems.append(Problem("error", step_dir / item, "holds per-process OCDBT parts but no"
-                            " merged manifest.ocdbt: Orbax never finished it; it does not restore"))
-  for child in sorted(step_dir.iterdir(), key=lambda p: p.name):
-    if child.is_dir() and (child / MANIFEST_FILE).exists():
-      problems.extend(verify_item(child))
-    elif child.is_dir() and (child / "manifest.ocdbt").exists():
-      problems.extend(_ocdbt_item_problems(child))
+  problems.extend(_item_problems(step_dir))
   if not _integrity.errors(problems):
     _integrity.write_manifest(step_dir)
   return problems
 
 
-def _listed_item_problems(step_dir: epath.Path) -> list[Problem]:
-  """The items Orbax's step metadata (`_CHECKPOINT_METADATA`) lists, against the step.
+def _item_problems(step_dir: epath.Path) -> list[Problem]:
+  """Every item of a step without a manifest, as its handler would restore it.
 
-  Each must be a directory of the step, and an embedding item must hold its
-  manifest.json: a copy that lost one of them would otherwise be adopted.
+  The items Orbax's step metadata (`_CHECKPOINT_METADATA`) lists must be
+  there (a copy that lost one would otherwise be adopted); an embedding item
+  is verified in full (`verify_item`), a PyTree item (dense parameters,
+  optimizer state) must hold every array its `_METADATA` names, each read
+  back, and a JSON item its value.
   """
-  path = step_dir / _ORBAX_STEP_METADATA
-  try:
-    handlers = json.loads(path.read_text()).get("item_handlers") or {}
-  except (OSError, ValueError, AttributeError):
-    return []  # No readable step metadata: named by the JSON check, or none was written.
+  handlers = _listed_handlers(step_dir)
   problems = []
   for name, handler in sorted(handlers.items()):
-    item = step_dir / name
-    if not item.is_dir():
-      problems.append(Problem("error", item, f"is missing: {path.name} lists item {name!r}"
+    if not (step_dir / name).is_dir():
+      problems.append(Problem("error", step_dir / name,
+                              f"is missing: {_integrity.ORBAX_STEP_METADATA} lists item {name!r}"
                               f" ({handler}), so the step is a partial copy"))
-    elif "EmbeddingCheckpointHandler" in str(handler) and not (item / MANIFEST_FILE).exists():
-      problems.append(Problem("error", item / MANIFEST_FILE,
-                              "is missing: an embedding item without it does not restore"))
+  for item in _integrity.unmerged_ocdbt_items(rel for rel, _, _ in _integrity.walk(step_dir)):
+    problems.append(Problem("error", step_dir / item, "holds per-process OCDBT parts but no"
+                            " merged manifest.ocdbt: Orbax never finished it; it does not restore"))
+  if (step_dir / _PYTREE_METADATA).exists():  # A step that is one PyTree item itself.
+    problems.extend(_pytree_item_problems(step_dir))
+  for child in sorted(step_dir.iterdir(), key=lambda p: p.name):
+    if not child.is_dir():
+      continue
+    handler = handlers.get(child.name, "")
+    if "EmbeddingCheckpointHandler" in handler or (child / MANIFEST_FILE).exists():
+      problems.extend(verify_item(child))
+    elif "PyTreeCheckpointHandler" in handler or "StandardCheckpointHandler" in handler or (
+        child / _PYTREE_METADATA).exists():
+      problems.extend(_pytree_item_problems(child))
+    elif "JsonCheckpointHandler" in handler:
+      problems.extend(_json_item_problems(child))
   return problems
 
 
-def _ocdbt_item_problems(item: epath.Path) -> list[Problem]:
-  """Reads every key of an OCDBT item (Orbax's PyTree items) through TensorStore: a data
-  file it references that is missing or truncated fails the read."""
+def _listed_handlers(step_dir: epath.Path) -> dict[str, str]:
+  """Item name -> handler name, as `_CHECKPOINT_METADATA` lists them; {} when it lists
+  none (a step of one item, whose handler is a plain string) or is missing or unreadable
+  (which the JSON check reports)."""
+  try:
+    handlers = json.loads((step_dir / _integrity.ORBAX_STEP_METADATA).read_text())
+    handlers = handlers.get("item_handlers") if isinstance(handlers, dict) else None
+  except (OSError, ValueError):
+    return {}
+  if not isinstance(handlers, dict):
+    return {}
+  return {str(name): str(handler) for name, handler in handlers.items()}
+
+
+_PYTREE_METADATA = "_METADATA"  # A PyTree item's tree: every leaf and how it is stored.
+
+
+def _pytree_item_problems(item: epath.Path) -> list[Problem]:
+  """A PyTree item (Orbax's `PyTreeCheckpointHandler`, `StandardCheckpointHandler`): its
+  `_METADATA` parses, and every array leaf it names is stored and reads back.
+
+  OCDBT items (the default) are read key by key through TensorStore, so a
+  data file that is missing or truncated fails; other items must hold each
+  array's directory.
+  """
+  path = item / _PYTREE_METADATA
+  if not path.exists():
+    return [Problem("error", path, "is missing: a PyTree item without it does not restore")]
+  try:
+    metadata = json.loads(path.read_text())
+    use_ocdbt = bool(metadata.get("use_ocdbt", True))
+  except (OSError, ValueError, AttributeError) as error:
+    return [Problem("error", path, f"is not readable JSON ({error})")]
+  arrays = _stored_arrays(metadata)
+  if arrays is None:
+    arrays = []  # A tree format this check does not know: the store is still read whole.
+  if not use_ocdbt:
+    return [Problem("error", item / array, "is missing: the tree's array is not stored")
+            for array in arrays if not (item / array).is_dir()]
+  if not (item / "manifest.ocdbt").exists():
+    return [Problem("error", item / "manifest.ocdbt", "is missing: the item's OCDBT store"
+                    " (its arrays) does not restore")]
   try:
     store = ts.KvStore.open({"driver": "ocdbt", "base": _storage.kvstore_spec(item)}).result()
-    for key in store.list().result():
+    keys = {key.decode() for key in store.list().result()}
+    for key in sorted(keys):
       store.read(key).result()
-  except CheckpointReadError:
-    raise
   except Exception as error:  # noqa: BLE001 - TensorStore raises ValueError and others
     if _errors.storage_failure(error) is not None:
       raise _errors.read_error(error, f"reading {item} failed") from error
     return [Problem("error", item, f"does not read back: {error}")]
+  stored = {key.split("/", 1)[0] for key in keys}
+  return [Problem("error", item, f"does not store the array {array!r} its tree names")
+          for array in arrays if array not in stored]
+
+
+def _stored_arrays(metadata: dict) -> list[str] | None:
+  """The stored names of a PyTree item's array leaves, or None for an unknown format.
+
+  `_METADATA` keys each leaf by its path's repr, e.g. "('opt_state', '0',
+  'count')", stored as 'opt_state.0.count'; leaves marked skip_deserialize
+  (None, empty nodes) store nothing.
+  """
+  try:
+    names = []
+    for leaf, value in metadata["tree_metadata"].items():
+      if (value.get("value_metadata") or {}).get("skip_deserialize"):
+        continue
+      path = ast.literal_eval(leaf)
+      names.append(".".join(str(part) for part in (path if isinstance(path, tuple) else (path,))))
+    return names
+  except (KeyError, TypeError, AttributeError, ValueError, SyntaxError):
+    return None
+
+
+def _json_item_problems(item: epath.Path) -> list[Problem]:
+  """A JSON item (Orbax's `JsonCheckpointHandler`) holds its value in `metadata`."""
+  path = item / "metadata"
+  try:
+    json.loads(path.read_text())
+  except FileNotFoundError:
+    return [Problem("error", path, "is missing: the JSON item's value")]
+  except (OSError, ValueError) as error:
+    return [Problem("error", path, f"is not readable JSON ({error})")]
   return []

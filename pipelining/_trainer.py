@@ -75,9 +75,15 @@ from sc_framework.stacking import layout_for_stacking
 
 
 _LOG = logging.getLogger("pipelining")
-
 _SAME_STEPS = ("Every process must feed the same number of batches (its slice of each global"
                " batch) and stop at the same step.")
+
+_STEPS_NAMED = 5  # Unrestorable steps a refusal to start over names (the newest).
+_WHY_CHARS = 1000  # Of each one's reason.
+
+
+def _shortened(text: str) -> str:
+  return text if len(text) <= _WHY_CHARS else text[:_WHY_CHARS - 3] + "..."
 
 
 class Trainer:
@@ -616,8 +622,8 @@ class Trainer:
       return self._start(first, train_data, history)
     except _DamagedStep as damaged:
       older = self._resume_step()
-      if older is None and self._loop is None:
-        self._refuse_to_start_over()  # No older step restores: raises, naming the damage.
+      if older is None:
+        self._refuse_to_start_over()  # From fresh state: raises, naming the damage.
       if not isinstance(train_data, Iterator) or (
           older is not None and hasattr(train_data, "set_state")):
         return damaged
@@ -626,8 +632,8 @@ class Trainer:
       elif self._loop is not None:
         resumes = (f"this Trainer's own state (step {int(self.state.step)}), after batch"
                    f" {newest_index(self._loop.data)} of the data")
-      else:
-        resumes = f"the state set on this Trainer (step {int(self.state.step)})"
+      else:  # A state set on this Trainer (after the refusal above: a trained one).
+        resumes = "the state set on this Trainer"
       raise CorruptCheckpointError(
           f"checkpoint step {damaged.step} is damaged, so fit continues from {resumes}; but"
           " train_data is a one-shot iterator, already moved to the damaged step's"
@@ -650,24 +656,28 @@ class Trainer:
     self._build(example)
     check_labels_fit_predictions(self._prediction_shapes, example.labels)
     self._restore(example, history)
-    if self._loop is None:  # Nothing restored, and no fit of this Trainer to continue.
-      self._refuse_to_start_over()
+    self._refuse_to_start_over()
     self._ensure_state()
     return True
 
   def _refuse_to_start_over(self) -> None:
-    """Raises when the workdir holds step directories but none of them restores.
+    """Raises when the state is fresh (none, or the initial one at step 0) and the workdir
+    holds checkpoint steps, none of which restores.
 
     Starting from fresh state beside them would hide a lost run behind a
     quiet restart (every step found damaged, or copied without its files).
     """
-    if self._checkpoints is None or self._checkpoints.latest_step() is not None:
+    if self._checkpoints is None or (self.state is not None and int(self.state.step) > 0):
+      return
+    if self._checkpoints.latest_step() is not None:
       return
     unrestorable = self._checkpoints.unrestorable_steps()
     if not unrestorable:
       return
-    steps = "; ".join(f"step {step}: {why.rstrip('.')}"
-                      for step, why in reversed(unrestorable.items()))
+    shown = list(reversed(unrestorable.items()))[:_STEPS_NAMED]
+    steps = "; ".join(f"step {step}: {_shortened(why.rstrip('.'))}" for step, why in shown)
+    if len(unrestorable) > len(shown):
+      steps += f"; and {len(unrestorable) - len(shown)} more"
     raise CorruptCheckpointError(
         f"{self._checkpoints.directory} holds checkpoint steps, but none of them restores"
         f" ({steps}). A Trainer does not start over beside them (nor evaluate untrained"
@@ -821,8 +831,7 @@ class Trainer:
         if first:
           self._build(prepared.batch)
           self._adopt_newer_checkpoint()
-          if self.state is None:
-            self._refuse_to_start_over()
+          self._refuse_to_start_over()
           self._ensure_state()
           first = False
         yield prepared.batch

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import warnings
 
@@ -385,13 +386,13 @@ def test_a_refused_read_of_an_items_layout_or_manifest_names_the_file_and_marks_
   assert_same_bits(restored.tables["a__b"], template.oracle[2]["tables"]["a__b"])
 
 
-@pytest.mark.parametrize("name", ["exp[1]", "runs]"])
+@pytest.mark.parametrize("name", ["exp[1]", "a[bc]d"])
 def test_a_root_whose_path_orbax_globs_wrongly_is_refused_for_saves(tmp_path, template, name):
   """Orbax merges a dense item's per-process parts found by a glob below the item: under
   'exp[1]' it found none, so every step was saved unmerged, listed complete, verified
   clean, and failed every restore with TensorStore's NOT_FOUND."""
   root = tmp_path / name / "checkpoints"
-  with pytest.raises(ValueError, match=r"contains '[\[\]]'.*glob.*no '\[' or '\]'"):
+  with pytest.raises(ValueError, match=rf"\['{re.escape(name)}'\] contain '\[...\]'.*glob"):
     ck.CheckpointManager(root)
   assert not root.exists()
   shutil.copytree(template.root, root)  # Saved elsewhere: it reads.
@@ -400,6 +401,21 @@ def test_a_root_whose_path_orbax_globs_wrongly_is_refused_for_saves(tmp_path, te
     restored = mngr.restore(None, ck.EmbeddingRestore(layout, make_mesh(layout.num_devices),
                                                       AXIS))["embedding"]
   assert_same_bits(restored.tables["a__b"], template.oracle[2]["tables"]["a__b"])
+
+
+@pytest.mark.parametrize("name", ["runs]", "exp[", "x*y?"])
+def test_a_root_whose_glob_characters_match_themselves_saves_and_restores(tmp_path, name):
+  root = tmp_path / name / "checkpoints"
+  tree = {"w": np.arange(6, dtype=np.float32)}
+  with ck.CheckpointManager(root) as mngr:
+    mngr.save(1, items={"dense": ocp.args.StandardSave(tree)})
+    mngr.wait_until_finished()
+    with pytest.raises(ValueError, match=r"\['d\[0\]'\] contain '\[...\]'"):
+      mngr.save(2, items={"d[0]": ocp.args.StandardSave(tree)}, force=True)
+  with ck.CheckpointManager(root, read_only=True) as mngr:
+    assert mngr.all_steps() == [1]
+    restored = mngr.restore(1, items={"dense": ocp.args.StandardRestore(tree)})["dense"]
+  assert_same_bits(restored["w"], tree["w"])
 
 
 def test_a_dense_item_orbax_never_merged_is_not_marked_complete_nor_listed(root):

@@ -111,12 +111,20 @@ def _remove_dense_data_file(step_dir):
     (lambda step: shutil.rmtree(step / "meta"),
      r"meta: is missing: _CHECKPOINT_METADATA lists item 'meta'"),
     (lambda step: (step / "embedding" / "manifest.json").unlink(),
-     r"embedding/manifest.json: is missing: an embedding item without it does not restore"),
+     r"embedding/manifest.json cannot be read"),
     (_remove_dense_data_file, r"dense: does not read back: NOT_FOUND"),
     (lambda step: (step / "dense" / "manifest.ocdbt").unlink(),
      r"dense: holds per-process OCDBT parts but no merged manifest.ocdbt"),
+    (lambda step: [shutil.rmtree(p) if p.is_dir() else p.unlink()
+                   for p in (step / "dense").iterdir()],
+     r"dense/_METADATA: is missing"),
+    (lambda step: [shutil.rmtree(p) if p.is_dir() else p.unlink()
+                   for p in (step / "dense").iterdir() if p.name != "_METADATA"],
+     r"dense/manifest.ocdbt: is missing"),
+    (lambda step: (step / "meta" / "metadata").unlink(),
+     r"meta/metadata: is missing: the JSON item's value"),
 ], ids=["embedding item", "meta item", "embedding manifest", "dense data file",
-        "dense never merged"])
+        "dense never merged", "dense emptied", "dense tree alone", "meta value"])
 def test_adopt_refuses_a_partial_copy(full_steps, tmp_path, capsys, damage, message):
   """Each was adopted (0 errors, integrity.json written); a Trainer then raised
   MissingItemError or TensorStore's NOT_FOUND on every resume."""
@@ -139,3 +147,18 @@ def test_adopt_of_a_whole_copy_restores_every_item(full_steps, tmp_path):
     assert mngr.latest_step() == 2
     meta = mngr.restore(2, items={"meta": ocp.args.JsonRestore()})["meta"]
   assert meta == full_steps.oracle[2]["meta"]
+
+
+def test_adopt_takes_a_step_of_one_item_whose_handler_is_a_plain_string(tmp_path):
+  """Orbax's Checkpointer writes `item_handlers` as one string: adopt raised AttributeError."""
+  step = tmp_path / "checkpoints" / "3"
+  tree = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "step": np.int32(3)}
+  ocp.Checkpointer(ocp.StandardCheckpointHandler()).save(step, ocp.args.StandardSave(tree))
+  metadata = json.loads((step / "_CHECKPOINT_METADATA").read_text())
+  assert isinstance(metadata["item_handlers"], str)
+  shutil.copytree(step, tmp_path / "copy" / "3")
+  assert main(["verify", "--adopt", str(step)]) == 0
+  assert (step / "integrity.json").exists()
+  # Its arrays are checked too.
+  next(p for p in sorted((tmp_path / "copy" / "3" / "d").iterdir()) if p.is_file()).unlink()
+  assert main(["verify", "--adopt", str(tmp_path / "copy" / "3")]) == 1

@@ -197,6 +197,29 @@ def test_every_step_damaged_or_incomplete_is_refused_by_fit_evaluate_and_predict
   assert sorted(p.name for p in root.iterdir()) == ["2", "4"] and trainer.state is None
 
 
+def test_a_trainer_with_initial_state_is_refused_too_but_not_beside_numbered_folders(tmp_path):
+  """After initialize() (the initial state, at step 0) the refusal did not fire: fit
+  trained from step 0 and predict used untrained tables. Numbered directories holding no
+  checkpoint (empty, or a folder of the user's) are no lost run: they were refused."""
+  batches = make_batches(4, seed=132)
+  make_trainer(tmp_path, save_every=2).fit(batches, num_steps=2)
+  root = tmp_path / "checkpoints"
+  flip_a_byte(root / "2")
+  trainer = make_trainer(tmp_path, save_every=2)
+  trainer.initialize(batches[0])
+  for call in (trainer.predict, trainer.fit):
+    with pytest.raises(ck.CorruptCheckpointError, match=r"none of them restores \(step 2: "):
+      call(batches)
+  assert int(trainer.state.step) == 0
+  (root / "2").rename(tmp_path / "damaged-2")
+  (root / "3").mkdir()
+  (root / "2024").mkdir()
+  (root / "2024" / "notes.txt").write_text("mine")
+  with pytest.warns(RuntimeWarning, match="2024 is skipped: .*has no integrity.json"):
+    history = make_trainer(tmp_path, save_every=2).fit(batches)
+  assert history.resumed_from is None and history.final_step == 4
+
+
 def test_evaluate_of_a_new_trainer_uses_the_newest_step_that_restores(tmp_path):
   """predict adopts the newest checkpoint through the same path as evaluate."""
   batches, held_out = make_batches(6, seed=128), make_batches(2, seed=129)
