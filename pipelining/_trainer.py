@@ -538,6 +538,9 @@ class Trainer:
         (`pipelining._batch_check`); the message names the batch's position.
         Also eval_every with a one-shot iterator as eval_data.
       TypeError: a batch that is not a dict.
+      CorruptCheckpointError: the workdir holds checkpoint steps but none of
+        them restores, and the state is fresh (none, or the initial one):
+        fit does not start over beside them (the message names each step).
     """
     num_steps, epochs, eval_every = _fit_arguments(num_steps, epochs, eval_data, eval_every)
     callbacks = _checked_callbacks(callbacks)
@@ -856,6 +859,9 @@ class Trainer:
         are not binary or predictions with other than one score per label
         (the message says to pass eval_metrics=() for such a model), or an
         aux metric named "auc" as well.
+      CorruptCheckpointError: the workdir holds checkpoint steps but none of
+        them restores, and the state is fresh: untrained tables are not
+        evaluated (as in fit).
     """
     predictions, labels, per_batch, sizes = [], [], [], []
     with contextlib.closing(self._prepared(data, "evaluation")) as batches:
@@ -876,7 +882,8 @@ class Trainer:
     a pytree come back in that pytree, each leaf concatenated. With several
     processes each feeds its slice of every batch and every process gets the
     predictions of the whole global batches. With a workdir, a newer
-    checkpoint is restored first, as in evaluate.
+    checkpoint is restored first, as in evaluate, which also says when it
+    raises CorruptCheckpointError.
     """
     with contextlib.closing(self._prepared(data, "prediction")) as batches:
       predictions = [_per_sample(_host_tree(self._steps.predict(self.state, batch)),
