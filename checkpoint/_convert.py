@@ -197,7 +197,7 @@ def convert(
         " directory and never writes through or replaces a link. Pass the directory it"
         " points to, or another destination."
     )
-  _check_destination(src, dst)
+  check_destination(src, dst)
   item = src if (src / MANIFEST_FILE).exists() else find_item(src)
   if dst.exists() and not overwrite:
     raise FileExistsError(f"{dst} already exists; choose another destination or pass overwrite.")
@@ -391,7 +391,7 @@ def _absolute(path: epath.Path) -> tuple[str, ...]:
   return tuple(part for part in text.rstrip("/").split("/") if part)
 
 
-def _check_destination(src: epath.Path, dst: epath.Path) -> None:
+def check_destination(src: epath.Path, dst: epath.Path) -> None:
   """Raises if writing `dst` would write into, or delete, a checkpoint it must not touch.
 
   `dst` may be `src` itself (a conversion in place, with overwrite), but not
@@ -419,6 +419,47 @@ def _check_destination(src: epath.Path, dst: epath.Path) -> None:
           f" Convert the whole step instead: with {parent} as both source and destination"
           " (and overwrite) it is converted in place."
       )
+  _check_not_beside_steps(src, dst)
+
+
+def _check_not_beside_steps(src: epath.Path, dst: epath.Path) -> None:
+  """Raises if `dst` is named as a step of a checkpoints root (a directory holding step
+  directories) other than the source's step: it would be listed as that step while
+  holding the source's state, which resumes refuse as a renamed step.
+  """
+  dst = dst.absolute()
+  if not dst.name.isdigit() or not _holds_steps(dst.parent):
+    return
+  source_step = _step_number(src)
+  if source_step == int(dst.name):
+    return  # The source's step, in this or another root (or in place).
+  named = f"step {source_step}" if source_step is not None else "an item outside any step"
+  raise ValueError(
+      f"the destination {dst} would be step {dst.name} of the checkpoints root {dst.parent},"
+      f" but the source is {named}: it would be listed as step {dst.name} while holding"
+      " another step's state (a resume refuses it as renamed). Write the conversion outside"
+      " the root" + (f", or as step {source_step} of a root." if source_step is not None
+                     else ".")
+  )
+
+
+def _step_number(src: epath.Path) -> int | None:
+  """The step number of a conversion's source (a step, or an item in one), or None."""
+  step = src if (src / _integrity.INTEGRITY_FILE).exists() else src.parent
+  if step.name.isdigit() and (step / _integrity.INTEGRITY_FILE).exists():
+    return int(step.name)
+  return None
+
+
+def _holds_steps(directory: epath.Path) -> bool:
+  """Whether `directory` is a checkpoints root: it holds a step directory written by a save."""
+  if not directory.is_dir():
+    return False
+  return any(
+      child.name.isdigit() and child.is_dir() and not _integrity.is_link(child)
+      and any((child / marker).exists()
+              for marker in (_integrity.INTEGRITY_FILE, _integrity.ORBAX_STEP_METADATA))
+      for child in directory.iterdir())
 
 
 _TABLE_DTYPES = ("float32", "bfloat16")

@@ -113,7 +113,7 @@ class CheckpointReader:
       return group.table
     if slot not in group.slots:
       raise MissingTableError(
-          f"table {table!r} has no slot {slot!r} in the checkpoint {self.directory}; its slots"
+          f"table {table!r} has no slot {slot!r} in the checkpoint {self.item}; its slots"
           f" are {sorted(group.slots)}."
       )
     return group.slots[slot]
@@ -349,7 +349,7 @@ class CheckpointReader:
   def _table(self, table: str) -> tuple[str, int, int]:
     if table not in self._tables:
       raise MissingTableError(
-          f"table {table!r} is not in the checkpoint {self.directory}; it holds tables"
+          f"table {table!r} is not in the checkpoint {self.item}; it holds tables"
           f" {sorted(self._tables)}."
       )
     return self._tables[table]

@@ -41,7 +41,7 @@ from etils import epath
 
 from checkpoint._chain import open_reader
 from checkpoint._compact import compact
-from checkpoint._convert import convert
+from checkpoint._convert import check_destination, convert
 from checkpoint._errors import CheckpointError, NotACheckpointError
 from checkpoint._format import MANIFEST_FILE
 from checkpoint._integrity import INTEGRITY_FILE
@@ -208,11 +208,20 @@ def _target(args: argparse.Namespace, reader: CheckpointReader):
     path = epath.Path(args.layout)
     if not path.exists():
       raise ValueError(f"--layout {path}: no such file.")
-    base = EmbeddingLayout.from_json(path.read_text())
+    try:
+      base = EmbeddingLayout.from_json(path.read_text())
+    except ValueError as error:
+      raise ValueError(f"--layout {path}: {error}") from error
   groups = None
   if args.groups not in (None, "same"):
     names = base.table_names if base is not None else reader.table_names
     groups = [[name] for name in names] if args.groups == "separate" else parse_groups(args.groups)
+    unknown = sorted({name for group in groups for name in group} - set(names))
+    if unknown:
+      raise ValueError(
+          f"--groups names tables {unknown}, which the {'--layout' if args.layout else 'source'}"
+          f" does not hold; its tables: {sorted(names)}."
+      )
   if base is None:
     if args.num_devices is None:
       raise ValueError(
@@ -306,6 +315,7 @@ def _convert(args: argparse.Namespace) -> int:
         f"{args.dst} already exists; choose another destination or pass --overwrite to replace"
         " it."
     )
+  check_destination(src, epath.Path(args.dst))  # Before anything is read or printed.
   item = src if (src / MANIFEST_FILE).exists() else find_item(src)
   # Sizes and small files (the layout read next) against the step's manifest
   # first; `convert` checks the rest.

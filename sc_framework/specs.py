@@ -223,7 +223,7 @@ def validate_feature_specs(feature_specs: Sequence[FeatureSpec]) -> tuple[Featur
   if not features:
     raise ValueError("feature_specs is empty: a model needs at least one FeatureSpec.")
   seen_features: set[str] = set()
-  seen_tables: dict[str, TableSpec] = {}
+  seen_tables: dict[str, tuple[TableSpec, str]] = {}
   for feature in features:
     if not isinstance(feature, FeatureSpec):
       raise TypeError(f"feature_specs must hold FeatureSpec values, got {type(feature).__name__}.")
@@ -231,11 +231,11 @@ def validate_feature_specs(feature_specs: Sequence[FeatureSpec]) -> tuple[Featur
       raise ValueError(f"duplicate feature name {feature.name!r}: feature names must be unique.")
     seen_features.add(feature.name)
     table = feature.table
-    previous = seen_tables.setdefault(table.name, table)
+    previous, first_reader = seen_tables.setdefault(table.name, (table, feature.name))
     if previous != table:
       raise ValueError(
-          f"duplicate table name {table.name!r}: features {feature.name!r} and another feature"
-          " read two different TableSpecs with this name. Give each table a unique name, or"
-          " pass the same TableSpec object to every feature that shares it."
+          f"duplicate table name {table.name!r}: features {first_reader!r} and"
+          f" {feature.name!r} read two different TableSpecs with this name. Give each table a"
+          " unique name, or pass the same TableSpec object to every feature that shares it."
       )
   return features

@@ -195,6 +195,14 @@ def test_convert_changes_the_table_dtype_rounding_to_nearest(saved, tmp_path):
          "a Trainer workdir, which keeps its checkpoints in {workdir}/checkpoints: pass that."),
         (["convert", "{workdir}", "{tmp}/x", "--unstacked"],
          "a Trainer workdir, which keeps its checkpoints in {workdir}/checkpoints: pass that."),
+        # It was written, listed and verified as step 4, and every resume refused it.
+        (["convert", "{src}", "{root}/4", "--num-devices", "2"],
+         "the destination {root}/4 would be step 4 of the checkpoints root {root}, but the"
+         " source is step 3"),
+        (["convert", "{root}", "{root}/4", "--num-devices", "2", "--quiet"], "would be step 4"),
+        (["convert", "{src}", "{tmp}/x", "--groups", "a,b;c;nope;d"],  # it spoke of features
+         "--groups names tables ['nope'], which the source does not hold; its tables:"
+         " ['a', 'b', 'c', 'd']."),
     ],
 )
 def test_errors_exit_non_zero_with_a_message(saved, tmp_path, capsys, argv, message):
@@ -202,7 +210,7 @@ def test_errors_exit_non_zero_with_a_message(saved, tmp_path, capsys, argv, mess
   workdir = root.parent / "workdir"
   if not workdir.exists():
     (workdir / "checkpoints").mkdir(parents=True)
-  names = dict(src=root / "3", tmp=tmp_path / "w", workdir=workdir)
+  names = dict(src=root / "3", tmp=tmp_path / "w", workdir=workdir, root=root)
   argv = [a.format(**names) for a in argv]
   (tmp_path / "w").mkdir()
   assert main(argv) == 1
@@ -269,6 +277,15 @@ def test_usage_errors_exit_2(capsys):
   assert unknown.startswith("sc-checkpoint: error: argument command: invalid choice: 'frobnicate'")
   assert missing == (
       "sc-checkpoint convert: error: the following arguments are required: src, dst (see --help)")
+
+
+def test_a_layout_file_that_is_no_layout_is_named(saved, tmp_path, capsys):
+  _, _, root = saved
+  junk = tmp_path / "junk.json"
+  junk.write_text('{"x": 1}')
+  assert main(["convert", str(root), str(tmp_path / "x"), "--layout", str(junk), "--quiet"]) == 1
+  err = capsys.readouterr().err
+  assert f"--layout {junk}: layout format_version None" in err and err.count("\n") == 1, err
 
 
 def test_a_layout_file_lacking_a_table_is_refused_naming_it(saved, tmp_path, capsys):

@@ -148,6 +148,15 @@ def test_a_missing_delta_is_named_and_latest_falls_back(tmp_path):
     assert_same_bits(host[name], table)
 
 
+def test_a_table_missing_from_a_delta_step_is_named_against_that_step(tmp_path):
+  """The error named the chain's base (step 0), not the step asked for."""
+  _, _, delta_root, _, _ = _train_side_by_side(tmp_path, 2, steps=3)
+  item = delta_root / "2" / "embedding"
+  assert ck.inspect(delta_root / "2")["embedding"]["chain"][-1]["kind"] == "delta"
+  with pytest.raises(ck.MissingTableError, match=rf"'nope' is not in the checkpoint {item};"):
+    ck.EmbeddingCheckpointHandler().restore(item, ck.TableRestore(tables=["nope"]))
+
+
 def _edit_parent(root, step, parent):
   """Points delta `step` at another parent by editing its manifest (not its integrity.json)."""
   path = root / str(step) / "embedding" / "manifest.json"

@@ -313,5 +313,6 @@ def test_validate_feature_specs_rejects_two_tables_with_one_name(change):
   first = _table("items")
   second = dataclasses.replace(first, **change)
   features = [FeatureSpec("item_id", first, (4,)), FeatureSpec("other_item_id", second, (4,))]
-  with pytest.raises(ValueError, match=_match("duplicate table name 'items'", "'other_item_id'")):
+  with pytest.raises(ValueError, match=_match("duplicate table name 'items'",
+                                              "features 'item_id' and 'other_item_id'")):
     validate_feature_specs(features)
