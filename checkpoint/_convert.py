@@ -419,47 +419,34 @@ def check_destination(src: epath.Path, dst: epath.Path) -> None:
           f" Convert the whole step instead: with {parent} as both source and destination"
           " (and overwrite) it is converted in place."
       )
-  _check_not_beside_steps(src, dst)
+  _check_step_name(src, dst)
 
 
-def _check_not_beside_steps(src: epath.Path, dst: epath.Path) -> None:
-  """Raises if `dst` is named as a step of a checkpoints root (a directory holding step
-  directories) other than the source's step: it would be listed as that step while
-  holding the source's state, which resumes refuse as a renamed step.
+def _check_step_name(src: epath.Path, dst: epath.Path) -> None:
+  """Raises if `dst` is named as another step than the source's: a CheckpointManager
+  (a Trainer's resume) would list it as that step while it holds the source's state,
+  which a resume refuses as a renamed step.
   """
   dst = dst.absolute()
-  if not dst.name.isdigit() or not _holds_steps(dst.parent):
-    return
   source_step = _step_number(src)
-  if source_step == int(dst.name):
-    return  # The source's step, in this or another root (or in place).
-  named = f"step {source_step}" if source_step is not None else "an item outside any step"
+  if not dst.name.isdigit() or source_step is None or source_step == int(dst.name):
+    return  # Not named as a step; a bare item; or the source's step (here or in a root).
   raise ValueError(
-      f"the destination {dst} would be step {dst.name} of the checkpoints root {dst.parent},"
-      f" but the source is {named}: it would be listed as step {dst.name} while holding"
-      " another step's state (a resume refuses it as renamed). Write the conversion outside"
-      " the root" + (f", or as step {source_step} of a root." if source_step is not None
-                     else ".")
+      f"the destination {dst} is named as step {dst.name}, but the source is step"
+      f" {source_step}: a checkpoints root would list it as step {dst.name} while it holds"
+      f" step {source_step}'s state (a resume refuses it as renamed). Name it {source_step}"
+      " (in another root), or give it a name that is not a number."
   )
 
 
 def _step_number(src: epath.Path) -> int | None:
   """The step number of a conversion's source (a step, or an item in one), or None."""
-  step = src if (src / _integrity.INTEGRITY_FILE).exists() else src.parent
-  if step.name.isdigit() and (step / _integrity.INTEGRITY_FILE).exists():
-    return int(step.name)
+  for step in (src, src.parent):
+    if step.name.isdigit() and any(
+        (step / marker).exists()
+        for marker in (_integrity.INTEGRITY_FILE, _integrity.ORBAX_STEP_METADATA)):
+      return int(step.name)
   return None
-
-
-def _holds_steps(directory: epath.Path) -> bool:
-  """Whether `directory` is a checkpoints root: it holds a step directory written by a save."""
-  if not directory.is_dir():
-    return False
-  return any(
-      child.name.isdigit() and child.is_dir() and not _integrity.is_link(child)
-      and any((child / marker).exists()
-              for marker in (_integrity.INTEGRITY_FILE, _integrity.ORBAX_STEP_METADATA))
-      for child in directory.iterdir())
 
 
 _TABLE_DTYPES = ("float32", "bfloat16")

@@ -264,6 +264,7 @@ class CheckpointManager:
       if force or self._manager.should_save(step):
         self._set_aside_an_unrestorable_step(step)
         self._damaged.forget(step)
+        self._warn_skipped.forget(self._directory / str(step))
       if (force or self._manager.should_save(step)) and step not in self.all_steps():
         self._refuse_a_step_saved_by_another_writer(step)
         self._refuse_a_step_later_deltas_read(step)
@@ -661,9 +662,11 @@ class CheckpointManager:
 
 
 def _glob_misreads(path: str) -> list[str]:
-  """The parts of `path` that, read as glob patterns, do not match themselves ('a[1]':
-  '[1]' is a character class; an unmatched bracket, '*' and '?' match themselves)."""
-  return [part for part in path.split("/") if part and not fnmatch.fnmatchcase(part, part)]
+  """The parts of `path` that, read as glob patterns, match other names than themselves
+  or not themselves: with '*' or '?', or a '[...]' character class ('a[1]'); an
+  unmatched bracket ('exp[', 'runs]') reads literally."""
+  return [part for part in path.split("/")
+          if part and ("*" in part or "?" in part or not fnmatch.fnmatchcase(part, part))]
 
 
 def _check_orbax_can_save_under(directory: epath.Path, item_names=()) -> None:
@@ -672,18 +675,21 @@ def _check_orbax_can_save_under(directory: epath.Path, item_names=()) -> None:
   Orbax finds the per-process parts of a dense (OCDBT) item with a glob
   pattern below the item's path; a name like 'exp[1]' reads as a pattern
   that does not match itself, so the parts are never merged and the item
-  never restores. Steps saved elsewhere and moved there restore.
+  never restores, and one like 'exp*' also matches other directories (whose
+  parts a save could take). Steps saved elsewhere and moved there restore.
   """
   wrong = _glob_misreads(os.fspath(directory)) + [
       name for name in item_names if _glob_misreads(name)]
   if wrong:
+    where = f"under {os.fspath(directory)!r}" + (
+        f" with items {sorted(item_names)}" if item_names else "")
     raise ValueError(
-        f"cannot save checkpoints under {os.fspath(directory)!r} with items"
-        f" {sorted(item_names)}: {wrong} contain '[...]', which Orbax's saves read as a glob"
-        " character class (it looks up the parts of a saved item with a glob pattern), so"
-        " they would never complete their dense items, and those would not restore. Rename"
-        " them without '[' and ']' (e.g. 'exp-1' for 'exp[1]'). Steps saved elsewhere and"
-        " copied there can be read by a CheckpointManager with read_only=True."
+        f"cannot save checkpoints {where}: {wrong} contain '*', '?' or '[...]', which Orbax's"
+        " saves read as a glob pattern (it looks up the parts of a saved item with one), so"
+        " they would miss their dense items' parts (never complete them: they would not"
+        " restore) or take another directory's. Rename them without these characters (e.g."
+        " 'exp-1' for 'exp[1]'). Steps saved elsewhere and copied there can be read by a"
+        " CheckpointManager with read_only=True."
     )
 
 

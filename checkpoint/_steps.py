@@ -121,6 +121,10 @@ class SkipWarnings:
       self._warned.add(key)
       warn_skipped(step_dir, why, stacklevel=4)
 
+  def forget(self, step_dir: epath.Path) -> None:
+    """`step_dir` is being saved again: what it holds next is named anew."""
+    self._warned = {key for key in self._warned if key[0] != str(step_dir)}
+
 
 class DamagedSteps:
   """Steps a restore found damaged (a file failing its checksum), as this process last saw them.

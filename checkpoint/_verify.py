@@ -341,12 +341,12 @@ def _pytree_item_problems(item: epath.Path) -> list[Problem]:
   except (OSError, ValueError, AttributeError) as error:
     return [Problem("error", path, f"is not readable JSON ({error})")]
   arrays = _stored_arrays(metadata)
-  if arrays is None:
-    arrays = []  # A tree format this check does not know: the store is still read whole.
   if not use_ocdbt:
     return [Problem("error", item / array, "is missing: the tree's array is not stored")
-            for array in arrays if not (item / array).is_dir()]
+            for array in arrays or () if not (item / array).is_dir()]
   if not (item / "manifest.ocdbt").exists():
+    if arrays == []:
+      return []  # No array leaf (strings, None): nothing is stored in an OCDBT store.
     return [Problem("error", item / "manifest.ocdbt", "is missing: the item's OCDBT store"
                     " (its arrays) does not restore")]
   try:
@@ -358,22 +358,28 @@ def _pytree_item_problems(item: epath.Path) -> list[Problem]:
     if _errors.storage_failure(error) is not None:
       raise _errors.read_error(error, f"reading {item} failed") from error
     return [Problem("error", item, f"does not read back: {error}")]
-  stored = {key.split("/", 1)[0] for key in keys}
   return [Problem("error", item, f"does not store the array {array!r} its tree names")
-          for array in arrays if array not in stored]
+          for array in arrays or ()
+          if f"{array}/.zarray" not in keys and f"{array}/zarr.json" not in keys]
+
+
+# The leaf types a PyTree item stores as arrays (others: strings in _strings.json, None).
+_ARRAY_LEAF_TYPES = ("jax.Array", "np.ndarray", "scalar")
 
 
 def _stored_arrays(metadata: dict) -> list[str] | None:
   """The stored names of a PyTree item's array leaves, or None for an unknown format.
 
   `_METADATA` keys each leaf by its path's repr, e.g. "('opt_state', '0',
-  'count')", stored as 'opt_state.0.count'; leaves marked skip_deserialize
-  (None, empty nodes) store nothing.
+  'count')", stored as 'opt_state.0.count' (a zarr array: '<name>/.zarray' or
+  '<name>/zarr.json'); leaves of other types (strings, None, empty nodes)
+  store no array.
   """
   try:
     names = []
     for leaf, value in metadata["tree_metadata"].items():
-      if (value.get("value_metadata") or {}).get("skip_deserialize"):
+      value = value.get("value_metadata") or {}
+      if value.get("skip_deserialize") or value.get("value_type") not in _ARRAY_LEAF_TYPES:
         continue
       path = ast.literal_eval(leaf)
       names.append(".".join(str(part) for part in (path if isinstance(path, tuple) else (path,))))
@@ -383,12 +389,16 @@ def _stored_arrays(metadata: dict) -> list[str] | None:
 
 
 def _json_item_problems(item: epath.Path) -> list[Problem]:
-  """A JSON item (Orbax's `JsonCheckpointHandler`) holds its value in `metadata`."""
-  path = item / "metadata"
-  try:
-    json.loads(path.read_text())
-  except FileNotFoundError:
-    return [Problem("error", path, "is missing: the JSON item's value")]
-  except (OSError, ValueError) as error:
-    return [Problem("error", path, f"is not readable JSON ({error})")]
-  return []
+  """A JSON item (Orbax's `JsonCheckpointHandler`) holds its value in a file of its own
+  (`metadata` by default, `metrics` for a manager's metrics), which must parse."""
+  files = [child for child in item.iterdir()
+           if child.name not in _integrity.COMMIT_FILES and not child.is_dir()]
+  if not files:
+    return [Problem("error", item, "holds no file: the JSON item's value is missing")]
+  problems = []
+  for path in files:
+    try:
+      json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+      problems.append(Problem("error", path, f"is not readable JSON ({error})"))
+  return problems

@@ -539,8 +539,9 @@ class Trainer:
         Also eval_every with a one-shot iterator as eval_data.
       TypeError: a batch that is not a dict.
       CorruptCheckpointError: the workdir holds checkpoint steps but none of
-        them restores, and the state is fresh (none, or the initial one):
-        fit does not start over beside them (the message names each step).
+        them restores, and the state is not a trained one of this Trainer
+        (none, one at step 0, or one evaluate adopted from a checkpoint): fit
+        does not start over beside them (the message names the steps).
     """
     num_steps, epochs, eval_every = _fit_arguments(num_steps, epochs, eval_data, eval_every)
     callbacks = _checked_callbacks(callbacks)
@@ -632,11 +633,9 @@ class Trainer:
         return damaged
       if older is not None:
         resumes = f"the step before it ({older}), whose data position is earlier"
-      elif self._loop is not None:
+      else:  # Past the refusal above: this Trainer's own trained state.
         resumes = (f"this Trainer's own state (step {int(self.state.step)}), after batch"
                    f" {newest_index(self._loop.data)} of the data")
-      else:  # A state set on this Trainer (after the refusal above: a trained one).
-        resumes = "the state set on this Trainer"
       raise CorruptCheckpointError(
           f"checkpoint step {damaged.step} is damaged, so fit continues from {resumes}; but"
           " train_data is a one-shot iterator, already moved to the damaged step's"
@@ -664,13 +663,19 @@ class Trainer:
     return True
 
   def _refuse_to_start_over(self) -> None:
-    """Raises when the state is fresh (none, or the initial one at step 0) and the workdir
+    """Raises when the state is not a trained one of this Trainer's own and the workdir
     holds checkpoint steps, none of which restores.
 
-    Starting from fresh state beside them would hide a lost run behind a
-    quiet restart (every step found damaged, or copied without its files).
+    Not its own: none, one at step 0 (the initial one of `initialize`), or the
+    train state evaluate or predict adopted from a checkpoint (which has no
+    data position: a fit from it would train the data again on top of it).
+    Starting from such a state beside the steps would hide a lost run behind
+    a quiet restart (every step found damaged, or copied without its files).
     """
-    if self._checkpoints is None or (self.state is not None and int(self.state.step) > 0):
+    if self._checkpoints is None:
+      return
+    if (self._state_only_from is None and self.state is not None
+        and int(self.state.step) > 0):
       return
     if self._checkpoints.latest_step() is not None:
       return
@@ -683,9 +688,9 @@ class Trainer:
       steps += f"; and {len(unrestorable) - len(shown)} more"
     raise CorruptCheckpointError(
         f"{self._checkpoints.directory} holds checkpoint steps, but none of them restores"
-        f" ({steps}). A Trainer does not start over beside them (nor evaluate untrained"
-        " tables): repair them (e.g. copy them again from their source), or move them out of"
-        f" {self._checkpoints.directory} to start training from scratch."
+        f" ({steps}). A Trainer does not start over beside them, nor evaluate a state at"
+        " step 0 there: repair them (e.g. copy them again from their source), or move them"
+        f" out of {self._checkpoints.directory} to start training from scratch."
     )
 
   def _report_skipped(self, history: History) -> None:
@@ -860,8 +865,8 @@ class Trainer:
         (the message says to pass eval_metrics=() for such a model), or an
         aux metric named "auc" as well.
       CorruptCheckpointError: the workdir holds checkpoint steps but none of
-        them restores, and the state is fresh: untrained tables are not
-        evaluated (as in fit).
+        them restores, and the state is at step 0 (or none): it is not
+        evaluated beside them (as in fit).
     """
     predictions, labels, per_batch, sizes = [], [], [], []
     with contextlib.closing(self._prepared(data, "evaluation")) as batches:

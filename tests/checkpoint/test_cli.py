@@ -197,9 +197,12 @@ def test_convert_changes_the_table_dtype_rounding_to_nearest(saved, tmp_path):
          "a Trainer workdir, which keeps its checkpoints in {workdir}/checkpoints: pass that."),
         # It was written, listed and verified as step 4, and every resume refused it.
         (["convert", "{src}", "{root}/4", "--num-devices", "2"],
-         "the destination {root}/4 would be step 4 of the checkpoints root {root}, but the"
-         " source is step 3"),
-        (["convert", "{root}", "{root}/4", "--num-devices", "2", "--quiet"], "would be step 4"),
+         "the destination {root}/4 is named as step 4, but the source is step 3"),
+        (["convert", "{root}", "{root}/4", "--num-devices", "2", "--quiet"],
+         "is named as step 4"),
+        # Also into a new root, which a Trainer would then resume.
+        (["convert", "{src}", "{tmp}/run2/checkpoints/7", "--num-devices", "2"],
+         "is named as step 7, but the source is step 3"),
         (["convert", "{src}", "{tmp}/x", "--groups", "a,b;c;nope;d"],  # it spoke of features
          "--groups names tables ['nope'], which the source does not hold; its tables:"
          " ['a', 'b', 'c', 'd']."),

@@ -122,7 +122,7 @@ def _remove_dense_data_file(step_dir):
                    for p in (step / "dense").iterdir() if p.name != "_METADATA"],
      r"dense/manifest.ocdbt: is missing"),
     (lambda step: (step / "meta" / "metadata").unlink(),
-     r"meta/metadata: is missing: the JSON item's value"),
+     r"meta: holds no file: the JSON item.s value is missing"),
 ], ids=["embedding item", "meta item", "embedding manifest", "dense data file",
         "dense never merged", "dense emptied", "dense tree alone", "meta value"])
 def test_adopt_refuses_a_partial_copy(full_steps, tmp_path, capsys, damage, message):
@@ -162,3 +162,22 @@ def test_adopt_takes_a_step_of_one_item_whose_handler_is_a_plain_string(tmp_path
   # Its arrays are checked too.
   next(p for p in sorted((tmp_path / "copy" / "3" / "d").iterdir()) if p.is_file()).unlink()
   assert main(["verify", "--adopt", str(tmp_path / "copy" / "3")]) == 1
+
+
+def test_adopt_takes_metrics_string_leaves_and_keys_with_slashes(tmp_path):
+  """A manager's metrics item (its value in `metrics/metrics`), a PyTree item's string
+  leaves (kept in _strings.json) and a key holding '/' were each reported missing."""
+  root = tmp_path / "checkpoints"
+  tree = {"a/b": np.arange(3, dtype=np.float32), "name": "run-7", "count": 4}
+  with ck.CheckpointManager(root, keep_best=1, best_metric="loss") as mngr:
+    mngr.save(1, items={"tree": ocp.args.PyTreeSave(tree),
+                        "words": ocp.args.PyTreeSave({"only": "strings"})},
+              metrics={"loss": 0.5})
+    mngr.wait_until_finished()
+  assert (root / "1" / "metrics" / "metrics").exists()
+  (root / "1" / "integrity.json").unlink()
+  assert main(["verify", "--adopt", str(root / "1")]) == 0
+  with ck.CheckpointManager(root, read_only=True) as mngr:
+    restored = mngr.restore(1, items={"tree": ocp.args.PyTreeRestore()})["tree"]
+  assert restored["name"] == "run-7" and int(restored["count"]) == 4
+  assert_same_bits(np.asarray(restored["a/b"]), tree["a/b"])

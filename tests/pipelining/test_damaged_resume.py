@@ -220,6 +220,21 @@ def test_a_trainer_with_initial_state_is_refused_too_but_not_beside_numbered_fol
   assert history.resumed_from is None and history.final_step == 4
 
 
+def test_a_state_predict_adopted_from_the_only_step_found_damaged_since_is_refused(tmp_path):
+  """predict adopted step 6's train state; fit then met the damage, found no older step and
+  trained batches 0-9 on top of step 6's tables (final step 16, batches 0-5 twice)."""
+  batches = make_batches(10, seed=136)
+  make_trainer(tmp_path, save_every=1000).fit(batches, num_steps=6)
+  trainer = make_trainer(tmp_path, save_every=1000)
+  trainer.predict(batches[:1])
+  assert int(trainer.state.step) == 6
+  root = tmp_path / "checkpoints"
+  flip_a_byte(root / "6")
+  with pytest.raises(ck.CorruptCheckpointError, match=r"none of them restores \(step 6: "):
+    trainer.fit(batches)
+  assert sorted(p.name for p in root.iterdir()) == ["6"] and int(trainer.state.step) == 6
+
+
 def test_evaluate_of_a_new_trainer_uses_the_newest_step_that_restores(tmp_path):
   """predict adopts the newest checkpoint through the same path as evaluate."""
   batches, held_out = make_batches(6, seed=128), make_batches(2, seed=129)
