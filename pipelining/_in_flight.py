@@ -161,6 +161,28 @@ def id_rows(ids: Mapping[str, FeatureInput], specs: Sequence[FeatureSpec], *,
   return out
 
 
+def kept_inputs(ids: Mapping[str, FeatureInput], specs: Sequence[FeatureSpec],
+                kept: Mapping[str, np.ndarray], *, padding_id: int | None, share: int,
+                num_devices: int) -> dict[str, SparseIds]:
+  """The ids a batch kept (`kept_id_masks`) after dropping some, in place of its raw ids.
+
+  Each kept id stays at its (sample, column) of the raw ids (a sequence
+  feature's position), with its weight: preprocessed again on the layout
+  that dropped the others, they give that batch's buffers; on another
+  layout, the ids its lookup read.
+  """
+  inputs = {}
+  for spec in specs:
+    batch_size = spec.batch_size * share // num_devices
+    flat = flatten_input(ids[spec.name], spec, padding_id=padding_id, batch_size=batch_size)
+    samples, columns, width = _places(flat, spec, batch_size)
+    mask = kept[spec.name]
+    inputs[spec.name] = SparseIds(
+        np.stack([samples[mask], columns[mask]], axis=1), flat.values[mask].astype(np.int64),
+        (batch_size, width), None if flat.weights is None else flat.weights[mask])
+  return inputs
+
+
 def rows_tree(rows: Mapping[str, IdRows]) -> dict[str, dict[str, np.ndarray]]:
   """IdRows as a pytree of arrays (no weights entry when a feature has none)."""
   return {name: {k: v for k, v in r._asdict().items() if v is not None}

@@ -48,6 +48,7 @@ from pipelining._in_flight import (
     SavedInFlight,
     Staged,
     id_rows,
+    kept_inputs,
     local_inputs,
     rows_tree,
 )
@@ -60,7 +61,7 @@ from pipelining._signals import install_stop_handlers, restore_handlers
 from pipelining._steps import DeviceBatch, InFlight, StepFunctions, TrainState
 from sc_framework._scalars import python_scalar
 from sc_framework.host_allocator import keep_freed_memory
-from sc_framework.preprocessing import PartitionOverflowError, preprocess
+from sc_framework.preprocessing import PartitionOverflowError, kept_id_masks, preprocess
 from sc_framework.primitives import (
     DEFAULT_AXIS_NAME,
     EmbeddingPlan,
@@ -241,11 +242,20 @@ class Trainer:
     self._batch_checker.check(raw, use, index)
     try:
       sparse = self._features.ids_by_name(raw["sparse"])
-      preprocessed = self._preprocess(sparse)
+      preprocessed, dropped = self._preprocess(sparse)
     except (ValueError, TypeError) as error:  # it names the feature, sample and id
       if index is not None:
         error.add_note(f"(in {batch_name(use, index)})")
       raise
+    if dropped and use == "training":
+      # Stored for an in-flight checkpoint: the ids its lookup read, not the raw ones,
+      # which another layout's partitions would drop otherwise.
+      sparse = kept_inputs(
+          sparse, self.plan.feature_specs,
+          kept_id_masks(sparse, self.plan.feature_specs, self.plan.layout, preprocessed,
+                        padding_id=self.config.padding_id, devices=self._local_devices),
+          padding_id=self.config.padding_id, share=len(self._local_devices),
+          num_devices=self.plan.num_devices)
     labels = None if use == "prediction" else raw["labels"]
     return Staged(self._place(preprocessed, raw.get("dense"), labels), sparse)
 
@@ -256,7 +266,8 @@ class Trainer:
       self._checkpoints.track(staged.batch.sparse)
     return staged
 
-  def _preprocess(self, sparse: Any):
+  def _preprocess(self, sparse: Any) -> tuple[dict[str, Any], int]:
+    """(the preprocessed batch, how many of its ids were dropped)."""
     try:
       batch, stats = preprocess(
           sparse, self.plan.feature_specs, self.plan.layout,
@@ -274,7 +285,7 @@ class Trainer:
       ) from None
     if stats.num_dropped_ids:
       self._count_dropped(stats)
-    return batch
+    return batch, stats.num_dropped_ids
 
   def _place(self, sparse, dense, labels) -> DeviceBatch:
     return global_batch(sparse, dense, labels, self._batch_sharding(),
@@ -391,7 +402,7 @@ class Trainer:
                          self.plan.num_devices)
       saved = FeatureInFlight(
           saved.activations,
-          DeviceBatch(self._place(self._preprocess(ids), None, None).sparse, saved.dense,
+          DeviceBatch(self._place(self._preprocess(ids)[0], None, None).sparse, saved.dense,
                       saved.labels))
       self._checkpoints.track(saved.batch.sparse)  # Its update is still to apply.
     if saved is not None:

@@ -10,6 +10,7 @@ from sc_framework.preprocessing._inputs import (
     SparseIds,
     flatten_input,
 )
+from sc_framework.preprocessing._kept import kept_id_masks
 from sc_framework.preprocessing._preprocess import (
     batch_stats,
     collect_stats,
@@ -38,6 +39,7 @@ __all__ = [
     "FeatureInput",
     "flatten_input",
     "preprocess",
+    "kept_id_masks",
     "release_scratch_buffers",
     "batch_stats",
     "collect_stats",

@@ -109,6 +109,7 @@ class _StackWork:
   """One stack's assembled keys and what partitioning them needs (`_stacks`)."""
 
   stack: Any
+  flats: tuple  # One FlatIds per feature of the stack, in its order.
   keys: Any
   capacity: StackCapacity
   combiner: str
@@ -158,6 +159,7 @@ def _stacks(features, feature_specs, layout, padding_id, capacities, devices
 
     yield _StackWork(
         stack=stack,
+        flats=tuple(flats),
         keys=assemble_stack(stack, flats, g_count, local_devices=len(local)),
         capacity=sizes[stack.name],
         combiner=by_name[stack.features[0].name].table.combiner,

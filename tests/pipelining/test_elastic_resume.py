@@ -9,6 +9,7 @@ the changed order of float32 sums, bit for bit on the same layout.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 
@@ -53,8 +54,8 @@ def make_batches(count, seed):
   return batches
 
 
-def make_trainer(workdir, pipelining, devices=8, shards=1, **options):
-  return Trainer(LinearHead(), make_specs(Adagrad(0.3)), mse, optax.adam(0.05),
+def make_trainer(workdir, pipelining, devices=8, shards=1, specs=None, **options):
+  return Trainer(LinearHead(), specs or make_specs(Adagrad(0.3)), mse, optax.adam(0.05),
                  mesh=mesh_of(devices), pipelining=pipelining, progress="off", padding_id=-1,
                  workdir=workdir, shards_per_device=shards, **options)
 
@@ -236,3 +237,36 @@ def test_a_checkpoint_written_before_a_nonfinite_batch_meets_it_again(tmp_path):
   assert info.value.saved_step == 2 and not info.value.recorded_as_skipped
   with pytest.raises(NonFiniteLossError, match="batch 2 of the data stream"):
     make_trainer(tmp_path, False, devices=1, save_every=1).fit(batches)
+
+
+def _limited_specs(limit):
+  """make_specs with partition limits of `limit` ids and rows (shared table kept shared)."""
+  specs = make_specs(Adagrad(0.3))
+  tables = {spec.table.name: dataclasses.replace(spec.table, max_ids_per_partition=limit,
+                                                 max_unique_ids_per_partition=limit)
+            for spec in specs}
+  return [dataclasses.replace(spec, table=tables[spec.table.name]) for spec in specs]
+
+
+@pytest.mark.parametrize("devices", [1, 8])
+def test_the_in_flight_batch_applies_the_ids_its_lookup_kept_on_any_layout(tmp_path, devices):
+  """On 1 device the batches overflow the limits and ids are dropped; on 8 (at most 6 ids
+  per device) none are. The in-flight batch was stored with its raw ids, so on 8 devices
+  its update also reached the rows of the ids its lookup had dropped."""
+  specs = _limited_specs(6)
+  batches = make_batches(STOP + 1, seed=91)
+  reference = make_trainer(None, True, devices=1, specs=specs, allow_id_dropping=True)
+  assert reference.fit(batches).dropped_ids > 0
+  history = make_trainer(tmp_path, True, devices=1, specs=specs, allow_id_dropping=True).fit(
+      batches, callbacks=[stop_at(STOP)])
+  assert history.interrupted and history.final_step == STOP
+  resumed = make_trainer(tmp_path, True, devices=devices, specs=specs, allow_id_dropping=True)
+  history = resumed.fit(batches)  # Only the batch in flight is left to apply.
+  assert history.resumed_from == STOP and history.final_step == STOP + 1
+  got, want = logical_state(resumed), logical_state(reference)
+  if devices == 1:
+    assert_states(got, want, same_layout=True)
+  else:
+    for name in ("a", "b"):
+      assert_close(got["tables"][name], want["tables"][name], terms=TERMS, steps=STOP + 1,
+                   err_msg=name)

@@ -34,6 +34,7 @@ from sc_framework.preprocessing import (
     batch_stats,
     collect_stats,
     flatten_input,
+    kept_id_masks,
     merge_stats,
     preprocess,
     release_scratch_buffers,
@@ -730,6 +731,43 @@ def test_dropping_is_deterministic_and_documented(num_devices, shards, combiner)
   # The statistics alone (no buffers built) are the same, and do not raise.
   alone = batch_stats(inputs, specs, layout)[stack.name]
   assert alone == dataclasses.replace(stats[stack.name], num_dropped_ids=0)
+
+
+@pytest.mark.parametrize("num_devices,shards", [(1, 1), (2, 2), (4, 1)])
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_kept_id_masks_name_the_ids_dropping_kept_and_they_preprocess_to_the_batch(
+    num_devices, shards, combiner):
+  """The oracle: the documented rule (`reference_drop`); and the kept ids, preprocessed
+  without dropping, give the dropping batch's buffers bit for bit."""
+  rng = np.random.default_rng(num_devices * 5 + shards)
+  specs = skewed_model(combiner)
+  layout = auto_stack_tables(specs, num_devices, shards)
+  samples = {s.name: random_samples(rng, s.batch_size, 40, 10, weighted=True, empty_rate=0.1)
+             for s in specs}
+  inputs = {n: to_form(s, "coo", True)[0] for n, s in samples.items()}
+  batches, stats = preprocess(inputs, specs, layout, allow_id_dropping=True)
+  masks = kept_id_masks(inputs, specs, layout, batches)
+  remaining, num_dropped = reference_drop(layout, layout.stacks[0], samples, capacity=(
+      StackCapacity(6, 4)))
+  assert num_dropped == stats.num_dropped_ids > 0
+  assert sum(int((~mask).sum()) for mask in masks.values()) == num_dropped
+  kept_inputs = {}
+  for spec in specs:
+    flat = flatten_input(inputs[spec.name], spec)
+    mask = masks[spec.name]
+    lengths = np.add.reduceat(mask, flat.row_splits[:-1]) * (np.diff(flat.row_splits) > 0)
+    kept_inputs[spec.name] = RaggedIds(flat.values[mask],
+                                       np.concatenate([[0], np.cumsum(lengths)]),
+                                       flat.weights[mask])
+    for b, pairs in enumerate(remaining[spec.name]):
+      ids = flat.values[flat.row_splits[b]:flat.row_splits[b + 1]]
+      kept = mask[flat.row_splits[b]:flat.row_splits[b + 1]]
+      assert sorted(ids[kept].tolist()) == sorted(i for i, _ in pairs), (spec.name, b)
+  again, again_stats = preprocess(kept_inputs, specs, layout)
+  assert again_stats.num_dropped_ids == 0
+  for name in batches:
+    for field, x, y in zip(StackBatch._fields, batches[name], again[name]):
+      assert_same_bits(x, y, err_msg=f"{name} {field}")
 
 
 def drop_mask(row_ids, stride, num_parts, capacity):
