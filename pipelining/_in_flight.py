@@ -55,7 +55,23 @@ class Staged(NamedTuple):
   """
 
   batch: DeviceBatch
-  ids: Mapping[str, FeatureInput]
+  ids: Mapping[str, FeatureInput] | DroppedIds
+
+
+class DroppedIds(NamedTuple):
+  """A batch's raw ids when preprocessing dropped some of them (`Staged.ids` then).
+
+  A checkpoint that stores the batch in flight stores the ids its lookup
+  kept (`kept_inputs`), which another layout would not drop alike; they are
+  worked out from `batch` only then, not for every batch that drops.
+
+  Attributes:
+    raw: this process's raw ids, as fed to fit.
+    batch: the preprocessed host buffers (stack name -> StackBatch).
+  """
+
+  raw: Mapping[str, FeatureInput]
+  batch: Mapping[str, Any]
 
 
 class SavedInFlight(NamedTuple):

@@ -44,6 +44,7 @@ from pipelining._fit_loop import (
 )
 from pipelining._fit_stream import FitStream
 from pipelining._in_flight import (
+    DroppedIds,
     FeatureInFlight,
     SavedInFlight,
     Staged,
@@ -247,17 +248,19 @@ class Trainer:
       if index is not None:
         error.add_note(f"(in {batch_name(use, index)})")
       raise
-    if dropped and use == "training":
-      # Stored for an in-flight checkpoint: the ids its lookup read, not the raw ones,
-      # which another layout's partitions would drop otherwise.
-      sparse = kept_inputs(
-          sparse, self.plan.feature_specs,
-          kept_id_masks(sparse, self.plan.feature_specs, self.plan.layout, preprocessed,
-                        padding_id=self.config.padding_id, devices=self._local_devices),
-          padding_id=self.config.padding_id, share=len(self._local_devices),
-          num_devices=self.plan.num_devices)
+    if dropped and use == "training":  # An in-flight checkpoint stores the ids it kept.
+      sparse = DroppedIds(sparse, preprocessed)
     labels = None if use == "prediction" else raw["labels"]
     return Staged(self._place(preprocessed, raw.get("dense"), labels), sparse)
+
+  def _kept_ids(self, ids: DroppedIds) -> dict[str, Any]:
+    """The ids a batch that dropped some kept: its lookup read these, and another
+    layout's partitions would drop others of its raw ids."""
+    masks = kept_id_masks(ids.raw, self.plan.feature_specs, self.plan.layout, ids.batch,
+                          padding_id=self.config.padding_id, devices=self._local_devices)
+    return kept_inputs(ids.raw, self.plan.feature_specs, masks,
+                       padding_id=self.config.padding_id, share=len(self._local_devices),
+                       num_devices=self.plan.num_devices)
 
   def _stage_for_training(self, raw: Any, index: int) -> Staged:
     """`_stage` for fit: also records the rows the batch will update (incremental saves)."""
@@ -940,7 +943,10 @@ class Trainer:
     if state.in_flight_ids is None:
       return FeatureInFlight(activations, state.in_flight.batch)
     local = len(self._local_devices)
-    rows = id_rows(state.in_flight_ids, self.plan.feature_specs,
+    ids = state.in_flight_ids
+    if isinstance(ids, DroppedIds):
+      ids = self._kept_ids(ids)
+    rows = id_rows(ids, self.plan.feature_specs,
                    padding_id=self.config.padding_id, share=local,
                    num_devices=self.plan.num_devices)
     ids = to_global(rows_tree(rows), self._batch_sharding(), self.plan.num_devices, local,
