@@ -442,9 +442,7 @@ def _check_step_name(src: epath.Path, dst: epath.Path) -> None:
 def _step_number(src: epath.Path) -> int | None:
   """The step number of a conversion's source (a step, or an item in one), or None."""
   for step in (src, src.parent):
-    if step.name.isdigit() and any(
-        (step / marker).exists()
-        for marker in (_integrity.INTEGRITY_FILE, _integrity.ORBAX_STEP_METADATA)):
+    if step.name.isdigit() and _integrity.holds_a_save(step):
       return int(step.name)
   return None
 

@@ -150,6 +150,12 @@ def links_below(directory: epath.Path) -> list[epath.Path]:
   return sorted(links, key=os.fspath)
 
 
+def holds_a_save(directory: epath.Path) -> bool:
+  """Whether `directory` holds what a save writes first (Orbax's step metadata) or last
+  (the integrity manifest): a step directory, complete or not."""
+  return any((directory / name).exists() for name in (INTEGRITY_FILE, ORBAX_STEP_METADATA))
+
+
 def is_link(path: epath.Path) -> bool:
   """Whether a path is a symbolic link (always False for cloud paths)."""
   return os.path.islink(os.fspath(path)) if "://" not in os.fspath(path) else False

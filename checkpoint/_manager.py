@@ -609,8 +609,7 @@ class CheckpointManager:
     for child in self._directory.iterdir():
       if not child.name.isdigit() or _integrity.is_link(child) or not child.is_dir():
         continue
-      if not any((child / marker).exists()
-                 for marker in (_integrity.INTEGRITY_FILE, _integrity.ORBAX_STEP_METADATA)):
+      if not _integrity.holds_a_save(child):
         continue
       step = int(child.name)
       if step in complete:

@@ -77,6 +77,7 @@ from sc_framework.stacking import layout_for_stacking
 
 
 _LOG = logging.getLogger("pipelining")
+
 _SAME_STEPS = ("Every process must feed the same number of batches (its slice of each global"
                " batch) and stop at the same step.")
 
