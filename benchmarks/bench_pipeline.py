@@ -13,9 +13,13 @@ lookup, dense forward/backward (+ optax) and the sparse update. Configurations
             and dense work are comparable.
 
 Throughput: the two Trainers fit alternately, a few steps each per round, so
-a load change on a shared machine hits both alike; a step's time is the
-median interval between consecutive `on_step_end` calls (steady state: no
-compile, prime or drain). Stage times are medians of repeated runs, in
+a load change on a shared machine hits both alike; a step's time is the mean
+interval between consecutive `on_step_end` calls within a round (steady
+state: no compile, prime or drain), the median over rounds. With N prefetch
+workers batches arrive N at a time (the workers prepare them side by side),
+so a round skips the first burst and times a whole number of bursts, at
+least four (`timed_steps`); a median of single intervals would time the
+short ones alone. Stage times are medians of repeated runs, in
 wall-clock and in process CPU time (all threads).
 
 Bounds printed with the stages: a synchronous step runs lookup, dense step
@@ -36,8 +40,8 @@ once); the difference is what running them side by side gains on this
 machine (none when each already keeps every core busy).
 
 Last, the host preparation alone (Trainer.prepare through the Prefetcher,
-as fit runs it) with 1, 2 and 4 prefetch workers: the rate at which the host
-can feed the devices. `--prefetch-workers N` trains both Trainers with N
+as fit runs it) with 1, 2 and 4 prefetch workers (and N, below): the rate at
+which the host can feed the devices. `--prefetch-workers N` trains both Trainers with N
 workers (TrainerConfig.prefetch_workers, prefetch_depth max(2, N)): where
 host preprocessing is the largest stage, as on an accelerator's host, more
 workers are what can raise both modes' throughput.
@@ -176,16 +180,17 @@ def make_trainer(case: Case, pipelining: bool, prefetch_workers: int = 1) -> Tra
 
 
 class StepTimes(Callback):
-  """Records the duration of every step of a fit but its first and last.
+  """Records the mean step time of each fit over its steady steps.
 
-  `intervals` holds the times between consecutive step ends, without the
-  last one: a pipelined fit ends with the drain (an update without a
-  lookup), which is not a steady-state step.
+  `step_seconds` holds, per fit, the mean interval between consecutive step
+  ends from step `skip` on, without the last one: a pipelined fit ends with
+  the drain (an update without a lookup), which is not a steady-state step.
   """
 
-  def __init__(self):
+  def __init__(self, skip: int = 0):
+    self.skip = skip
     self.ends: list[float] = []
-    self.intervals: list[float] = []
+    self.step_seconds: list[float] = []
 
   def on_fit_start(self, trainer, step):
     self.ends = []
@@ -194,29 +199,49 @@ class StepTimes(Callback):
     self.ends.append(time.perf_counter())
 
   def on_fit_end(self, trainer, history):
-    self.intervals.extend(np.diff(self.ends)[:-1].tolist())
+    timed = self.ends[self.skip:-1]
+    self.step_seconds.append((timed[-1] - timed[0]) / (len(timed) - 1))
+
+
+def timed_steps(steps_per_round: int, prefetch_workers: int) -> tuple[int, int]:
+  """(steps skipped, step intervals timed) per fit.
+
+  One worker: none skipped, steps_per_round - 1 timed. N > 1 workers prepare
+  N batches side by side, so batches arrive in bursts of N, and a fit's
+  first steps take the burst the workers prepared while it waited for its
+  first batch: N steps are skipped and a whole number of bursts, at least 4,
+  is timed (steps_per_round - 1 rounded up to a multiple of N).
+  """
+  if prefetch_workers == 1:
+    return 0, steps_per_round - 1
+  bursts = max(4, -(-(steps_per_round - 1) // prefetch_workers))
+  return prefetch_workers, bursts * prefetch_workers
 
 
 def cycle(batches: list[dict[str, Any]], start: int, count: int) -> list[dict[str, Any]]:
   return [batches[(start + i) % len(batches)] for i in range(count)]
 
 
-def throughput(case: Case, trainers: dict[bool, Trainer]) -> dict[bool, dict[str, float]]:
-  """Median step time (ms) and examples/s of each mode (trainers[pipelining]), fit
-  alternately round by round."""
-  clocks = {mode: StepTimes() for mode in trainers}
+def throughput(case: Case, trainers: dict[bool, Trainer],
+               prefetch_workers: int) -> dict[bool, dict[str, float]]:
+  """Step time (ms; median over rounds of a round's mean) and examples/s of each
+  mode (trainers[pipelining]), fit alternately round by round."""
+  skip, intervals = timed_steps(case.steps_per_round, prefetch_workers)
+  clocks = {mode: StepTimes(skip) for mode in trainers}
+  # Each fit: the skipped steps, the timed intervals' steps, the drain.
+  batches_per_fit = skip + intervals + 2
   # One warm-up round compiles every program (prime, pipelined, drain, sync).
   position = 0
   for round_index in range(case.rounds + 1):
     for mode, trainer in trainers.items():
       clock = clocks[mode] if round_index else StepTimes()
-      trainer.fit(cycle(case.batches, position, case.steps_per_round + 1), callbacks=[clock])
+      trainer.fit(cycle(case.batches, position, batches_per_fit), callbacks=[clock])
       jax.block_until_ready(trainer.state)
-    position += case.steps_per_round + 1
+    position += batches_per_fit
   batch = case.batches[0]["labels"].shape[0]
   out = {}
   for mode, clock in clocks.items():
-    step_s = statistics.median(clock.intervals)
+    step_s = statistics.median(clock.step_seconds)
     out[mode] = {"step_ms": 1e3 * step_s, "examples_per_sec": batch / step_s}
   return out
 
@@ -288,14 +313,15 @@ def stage_times(case: Case, trainer: Trainer, repeats: int) -> dict[str, dict[st
 PREPARE_WORKERS = (1, 2, 4)
 
 
-def preparation_rate(case: Case, trainer: Trainer, rounds: int) -> dict[int, float]:
+def preparation_rate(case: Case, trainer: Trainer, rounds: int,
+                     worker_counts: list[int]) -> dict[int, float]:
   """Host preparation alone (Trainer.prepare through a Prefetcher, nothing
-  consuming the batches but a wait for their device copies) with 1, 2 and 4
-  workers, interleaved round by round: {workers: median ms per batch}."""
+  consuming the batches but a wait for their device copies) with each number
+  of workers, interleaved round by round: {workers: median ms per batch}."""
   count = 4 * len(case.batches)
-  times: dict[int, list[float]] = {workers: [] for workers in PREPARE_WORKERS}
+  times: dict[int, list[float]] = {workers: [] for workers in worker_counts}
   for round_index in range(rounds + 1):
-    for workers in PREPARE_WORKERS:
+    for workers in worker_counts:
       data = cycle(case.batches, 0, count)
       start = time.perf_counter()
       with Prefetcher(iter(data), lambda raw, index: trainer.prepare(raw), depth=max(2, workers),
@@ -315,9 +341,10 @@ SIDE_BY_SIDE = "lookup beside dense"
 
 def run_case(case: Case, repeats: int, prefetch_workers: int = 1) -> dict[str, Any]:
   trainers = {mode: make_trainer(case, mode, prefetch_workers) for mode in (True, False)}
-  result = throughput(case, trainers)
+  result = throughput(case, trainers, prefetch_workers)
   stages = stage_times(case, trainers[False], repeats)
-  preparation = preparation_rate(case, trainers[False], max(2, repeats // 3))
+  preparation = preparation_rate(case, trainers[False], max(2, repeats // 3),
+                                 sorted({*PREPARE_WORKERS, prefetch_workers}))
   overlap = {name: stages.pop(name) for name in (SEQUENTIAL, SIDE_BY_SIDE)}
   saving = overlap[SEQUENTIAL]["ms"] - overlap[SIDE_BY_SIDE]["ms"]
   cores = os.cpu_count() or 1
