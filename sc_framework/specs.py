@@ -15,6 +15,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from sc_framework._renamed import refuse_renamed, use_instead
 from sc_framework._scalars import python_scalar, python_scalar_fields
 from sc_framework.optimizers import SGD, OptimizerSpec
 
@@ -36,6 +37,16 @@ def default_initializer(key: jax.Array, shape: tuple[int, ...], dtype=jnp.float3
 def _check_positive_int(owner: str, name: str, value) -> None:
   if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
     raise ValueError(f"{owner}: {name} must be a positive int, got {value!r}.")
+
+
+_TABLE_RENAMED = {
+    "suggested_coo_buffer_size": (
+        "not needed here: preprocessing sizes its buffers from max_ids_per_partition and"
+        " max_unique_ids_per_partition (size_limits_from_stats computes them from batches)."),
+    "quantization_config": (
+        "quantized tables are not supported; tables are float32, or bfloat16 with the"
+        " Trainer's table_dtype=\"bfloat16\"."),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,10 +85,18 @@ class TableSpec:
   max_ids_per_partition: int = 256
   max_unique_ids_per_partition: int = 256
 
+  def __new__(cls, *args, **kwargs):
+    del args  # dataclass __init__ takes them
+    refuse_renamed("TableSpec", kwargs, _TABLE_RENAMED)
+    return super().__new__(cls)
+
   def __post_init__(self):
     python_scalar_fields(self)
     if not isinstance(self.name, str) or not self.name:
-      raise ValueError(f"TableSpec: name must be a non-empty string, got {self.name!r}.")
+      order = (" TableSpec's fields start with name, vocabulary_size, embedding_dim"
+               " (jax-tpu-embedding's start with vocabulary_size): pass them by keyword."
+               if isinstance(self.name, int) else "")
+      raise ValueError(f"TableSpec: name must be a non-empty string, got {self.name!r}.{order}")
     owner = f"table {self.name!r}"
     _check_positive_int(owner, "vocabulary_size", self.vocabulary_size)
     _check_positive_int(owner, "embedding_dim", self.embedding_dim)
@@ -124,6 +143,11 @@ class FeatureSpec:
   table: TableSpec
   input_shape: tuple[int, ...]
   output_shape: tuple[int, ...] | None = None
+
+  def __new__(cls, *args, **kwargs):
+    del args  # dataclass __init__ takes them
+    refuse_renamed("FeatureSpec", kwargs, {"table_spec": use_instead("table", "table_spec")})
+    return super().__new__(cls)
 
   def __post_init__(self):
     python_scalar_fields(self)

@@ -7,6 +7,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from sc_framework.optimizers._base import (
+    INITIAL_ACCUMULATOR_RENAMED,
     LearningRate,
     OptimizerSpec,
     SlotSpec,
@@ -51,6 +52,7 @@ class Adagrad(OptimizerSpec):
   initial_accumulator: float = 0.1
   eps: float = 0.0
   kind = "adagrad"
+  renamed_arguments = INITIAL_ACCUMULATOR_RENAMED
 
   def __post_init__(self):
     super().__post_init__()
@@ -91,6 +93,7 @@ class RowWiseAdagrad(OptimizerSpec):
   initial_accumulator: float = 0.1
   eps: float = 1e-8
   kind = "rowwise_adagrad"
+  renamed_arguments = INITIAL_ACCUMULATOR_RENAMED
 
   def __post_init__(self):
     super().__post_init__()
@@ -141,6 +144,7 @@ class AdagradMomentum(OptimizerSpec):
   use_nesterov: bool = False
   initial_accumulator: float = 0.1
   kind = "adagrad_momentum"
+  renamed_arguments = INITIAL_ACCUMULATOR_RENAMED
 
   def __post_init__(self):
     super().__post_init__()

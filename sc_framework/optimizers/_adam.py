@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from sc_framework.optimizers._base import (
+    BETAS_RENAMED,
     LearningRate,
     OptimizerSpec,
     SlotSpec,
@@ -74,6 +75,7 @@ class Adam(OptimizerSpec):
   epsilon: float = 1e-8
   sum_inside_sqrt: bool = False
   kind = "adam"
+  renamed_arguments = BETAS_RENAMED
 
   def __post_init__(self):
     super().__post_init__()
@@ -126,6 +128,7 @@ class LaProp(OptimizerSpec):
   beta2: float = 0.95
   epsilon: float = 1e-8
   kind = "laprop"
+  renamed_arguments = BETAS_RENAMED
 
   def __post_init__(self):
     super().__post_init__()

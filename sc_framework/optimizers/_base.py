@@ -32,6 +32,7 @@ from typing import Any, ClassVar, Union
 import jax
 import jax.numpy as jnp
 
+from sc_framework._renamed import refuse_renamed, use_instead
 from sc_framework._scalars import python_scalar_fields
 from sc_framework.optimizers import _options
 
@@ -80,6 +81,23 @@ class SlotSpec:
     return padded_embedding_dim if self.width is None else self.width
 
 
+_RENAMED_OPTIONS = {
+    "clip_gradient_min": "pass clipvalue=(min, max) (None for an unbounded side).",
+    "clip_gradient_max": "pass clipvalue=(min, max) (None for an unbounded side).",
+    "lazy_adam": ("every optimizer here updates only the rows a batch touches (as"
+                  " lazy_adam=True does); updating every row each step is not offered."),
+    "use_gradient_accumulation": ("not an option here: a row's update takes the sum of"
+                                  " its gradients over the batch, once per step."),
+}
+INITIAL_ACCUMULATOR_RENAMED = {
+    "initial_accumulator_value": use_instead("initial_accumulator", "initial_accumulator_value"),
+}
+BETAS_RENAMED = {
+    "beta_1": use_instead("beta1", "beta_1"),
+    "beta_2": use_instead("beta2", "beta_2"),
+}
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
 class OptimizerSpec:
   """Base class of the sparse optimizer specs (frozen dataclasses).
@@ -105,6 +123,8 @@ class OptimizerSpec:
   """
 
   kind: ClassVar[str] = "abstract"
+  # Other libraries' names of this optimizer's arguments -> what to pass here.
+  renamed_arguments: ClassVar[dict[str, str]] = {}
 
   clipvalue: _options.ClipValue = None
   row_clipnorm: float | None = None
@@ -112,6 +132,11 @@ class OptimizerSpec:
   multiply_weight_decay_factor_by_learning_rate: bool = False
   clip_weight_min: float | None = None
   clip_weight_max: float | None = None
+
+  def __new__(cls, *args, **kwargs):
+    del args  # dataclass __init__ takes them
+    refuse_renamed(cls.__name__, kwargs, {**_RENAMED_OPTIONS, **cls.renamed_arguments})
+    return super().__new__(cls)
 
   def __post_init__(self):
     python_scalar_fields(self)

@@ -6,7 +6,9 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from sc_framework._renamed import use_instead
 from sc_framework.optimizers._base import (
+    INITIAL_ACCUMULATOR_RENAMED,
     LearningRate,
     OptimizerSpec,
     SlotSpec,
@@ -62,6 +64,11 @@ class FTRL(OptimizerSpec):
   initial_accumulator: float = 0.1
   multiply_linear_by_learning_rate: bool = False
   kind = "ftrl"
+  renamed_arguments = {
+      **INITIAL_ACCUMULATOR_RENAMED,
+      "l1_regularization_strength": use_instead("l1", "l1_regularization_strength"),
+      "l2_regularization_strength": use_instead("l2", "l2_regularization_strength"),
+  }
 
   def __post_init__(self):
     super().__post_init__()

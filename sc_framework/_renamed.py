@@ -1,0 +1,32 @@
+"""Arguments that other embedding libraries name otherwise: a TypeError that names ours.
+
+A config ported from jax-tpu-embedding (the SparseCore stack) or TensorFlow's
+TPUEmbedding passes their argument names (`table_spec=`, `beta_1=`,
+`initial_accumulator_value=`, ...). Python's own error ("unexpected keyword
+argument") does not say what to write instead; `refuse_renamed` does, before
+the constructor runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+def refuse_renamed(owner: str, kwargs: Mapping[str, Any], renamed: Mapping[str, str]) -> None:
+  """Raises TypeError for a keyword argument of `kwargs` that `renamed` knows.
+
+  Args:
+    owner: the class, as the message names it.
+    kwargs: the keyword arguments given.
+    renamed: another library's argument name -> what to pass here instead
+      (a sentence).
+  """
+  for name in kwargs:
+    if name in renamed:
+      raise TypeError(f"{owner}() got an unexpected keyword argument {name!r}: {renamed[name]}")
+
+
+def use_instead(ours: str, theirs: str) -> str:
+  """The advice for an argument that is only named otherwise here."""
+  return f"it is named {ours} here: pass {ours}= instead of {theirs}=."
