@@ -71,6 +71,9 @@ from sc_framework.primitives import (
     get_backend,
     init_embedding_variables,
     mesh_axis_size,
+    replace_tables,
+    slot_values,
+    table_values,
 )
 from sc_framework.specs import FeatureSpec
 from sc_framework.stacking import layout_for_stacking
@@ -456,6 +459,40 @@ class Trainer:
     """
     self._build(self.prepare(example_batch))
     self._ensure_state()
+    return self.state
+
+  def table_values(self, tables: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+    """The current rows of tables as numpy arrays: name -> [V, D] (default every table).
+
+    See `sc_framework.primitives.table_values`; `slot_values` gives their
+    optimizer slots. Single-process jobs only (a multi-process job reads
+    tables from a checkpoint: `checkpoint.TableRestore`).
+    """
+    return table_values(self.plan, self._state_or_refuse("table_values").embeddings, tables)
+
+  def slot_values(self, tables: Iterable[str] | None = None) -> dict[str, dict[str, np.ndarray]]:
+    """The tables' optimizer slots: name -> slot -> [V, D] or [V, w] numpy array."""
+    return slot_values(self.plan, self._state_or_refuse("slot_values").embeddings, tables)
+
+  def replace_tables(self, tables: Mapping[str, np.ndarray],
+                     slots: Mapping[str, Mapping[str, np.ndarray]] | None = None) -> None:
+    """Starts tables from given rows, e.g. pretrained embeddings: name -> [V, D] array.
+
+    After `initialize` (or a fit): each named table's rows become the array's,
+    its slots `slots[name]` where given, else their initial values; nothing
+    else changes (see `sc_framework.primitives.replace_tables`). Arrays may be
+    memory-mapped: each device reads only its rows. With a workdir, a fit
+    still resumes from a checkpoint newer than the state's step.
+    """
+    state = self._state_or_refuse("replace_tables")
+    self.state = state._replace(
+        embeddings=replace_tables(self.plan, state.embeddings, tables, slots))
+
+  def _state_or_refuse(self, what: str) -> TrainState:
+    if self.state is None:
+      raise RuntimeError(
+          f"Trainer.{what}: the Trainer has no state yet; call initialize(example_batch)"
+          " (or fit) first.")
     return self.state
 
   def latest_checkpoint_step(self) -> int | None:

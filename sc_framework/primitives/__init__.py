@@ -32,6 +32,7 @@ from sc_framework.primitives._state import (
     init_embedding_variables,
     table_seed,
 )
+from sc_framework.primitives._tables import replace_tables, slot_values, table_values
 
 __all__ = [
     "EmbeddingPlan",
@@ -43,6 +44,9 @@ __all__ = [
     "init_embedding_variables",
     "embedding_variable_shapes",
     "table_seed",
+    "table_values",
+    "slot_values",
+    "replace_tables",
     "embedding_lookup",
     "stacked_lookup",
     "split_stacked_activations",
