@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import jax.numpy as jnp
+import numpy as np
 from etils import epath
 
 from checkpoint import IncrementalPolicy
 from sc_framework._scalars import python_scalar_fields
+from sc_framework.preprocessing import PaddingId
 from sc_framework.primitives import EmbeddingBackend
 from sc_framework.stacking import Stacking, normalize_stacking
 
@@ -69,7 +72,8 @@ class TrainerConfig:
       score or logit per label; other labels raise, naming the shapes or
       the label). Pass () for any other model.
     padding_id: an id meaning "no id" in dense inputs (e.g. -1), skipped by
-      preprocessing; None: every id is real.
+      preprocessing; None: every id is real. A dict feature name -> id (or
+      None) gives each feature its own (a feature left out has none).
     allow_id_dropping: passed to preprocessing; when False an overflowing
       partition raises.
     host_memory: "system" (default) leaves the process's malloc alone. On
@@ -106,7 +110,7 @@ class TrainerConfig:
   log_every: int = 50
   progress: Literal["auto", "bar", "log", "off"] = "auto"
   eval_metrics: tuple[str, ...] = ("auc",)
-  padding_id: int | None = None
+  padding_id: PaddingId = None
   allow_id_dropping: bool = False
   host_memory: Literal["keep", "system"] = "system"
   save_on_nonfinite: bool = False
@@ -134,6 +138,7 @@ class TrainerConfig:
           "TrainerConfig.backend must be a backend name ('auto', 'xla', 'cpu', ...) or an"
           f" EmbeddingBackend, got {self.backend!r}."
       )
+    _check_padding_id(self.padding_id)
     object.__setattr__(self, "stacking", normalize_stacking(self.stacking))
     object.__setattr__(self, "table_dtype", _table_dtype(self.table_dtype))
     if self.host_memory not in ("keep", "system"):
@@ -199,3 +204,24 @@ def _table_dtype(value: Any) -> str:
         f" {value!r}."
     )
   return name
+
+
+def _check_padding_id(padding_id) -> None:
+  """padding_id is an int, None, or a mapping feature name -> int or None."""
+
+  def is_id(value) -> bool:
+    return value is None or (isinstance(value, (int, np.integer)) and not isinstance(value, bool))
+
+  if isinstance(padding_id, Mapping):
+    bad = {name: value for name, value in padding_id.items()
+           if not isinstance(name, str) or not is_id(value)}
+    if bad:
+      raise TypeError(
+          "TrainerConfig.padding_id: a dict must map feature names to an int id (e.g. -1) or"
+          f" None, got {bad}."
+      )
+  elif not is_id(padding_id):
+    raise TypeError(
+        "TrainerConfig.padding_id must be an int id (e.g. -1), None, or a dict feature name"
+        f" -> id, got {padding_id!r} ({type(padding_id).__name__})."
+    )

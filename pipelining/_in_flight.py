@@ -39,7 +39,14 @@ import numpy as np
 
 from pipelining._distributed import allgather_json
 from pipelining._steps import DeviceBatch
-from sc_framework.preprocessing import FeatureInput, FlatIds, SparseIds, flatten_input
+from sc_framework.preprocessing import (
+    FeatureInput,
+    FlatIds,
+    PaddingId,
+    SparseIds,
+    flatten_input,
+    padding_id_of,
+)
 from sc_framework.specs import FeatureSpec
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
@@ -122,9 +129,10 @@ def _places(flat: FlatIds, spec: FeatureSpec, batch_size: int):
   return entries, columns, max(1, int(lengths.max(initial=0)))
 
 
-def _rows(value: FeatureInput, spec: FeatureSpec, padding_id: int | None,
+def _rows(value: FeatureInput, spec: FeatureSpec, padding_id: PaddingId,
           batch_size: int) -> IdRows:
-  flat = flatten_input(value, spec, padding_id=padding_id, batch_size=batch_size)
+  flat = flatten_input(value, spec, padding_id=padding_id_of(padding_id, spec.name),
+                       batch_size=batch_size)
   if spec.table.vocabulary_size - 1 > _INT32_MAX:
     raise ValueError(
         f"feature {spec.name!r}: table {spec.table.name!r} has vocabulary_size"
@@ -151,13 +159,13 @@ def _widen(rows: IdRows, width: int, weighted: bool) -> IdRows:
 
 
 def id_rows(ids: Mapping[str, FeatureInput], specs: Sequence[FeatureSpec], *,
-            padding_id: int | None, share: int, num_devices: int) -> dict[str, IdRows]:
+            padding_id: PaddingId, share: int, num_devices: int) -> dict[str, IdRows]:
   """This process's raw ids of a batch as rows of one width agreed by every process.
 
   Args:
     ids: feature -> this process's raw ids (as fed to fit).
     specs: the feature specs (global batch sizes).
-    padding_id: the Trainer's padding id.
+    padding_id: the Trainer's padding id (one, or one per feature).
     share: L, the table-axis positions this process feeds.
     num_devices: G.
 
@@ -178,7 +186,7 @@ def id_rows(ids: Mapping[str, FeatureInput], specs: Sequence[FeatureSpec], *,
 
 
 def kept_inputs(ids: Mapping[str, FeatureInput], specs: Sequence[FeatureSpec],
-                kept: Mapping[str, np.ndarray], *, padding_id: int | None, share: int,
+                kept: Mapping[str, np.ndarray], *, padding_id: PaddingId, share: int,
                 num_devices: int) -> dict[str, SparseIds]:
   """The ids a batch kept (`kept_id_masks`) after dropping some, in place of its raw ids.
 
@@ -190,7 +198,8 @@ def kept_inputs(ids: Mapping[str, FeatureInput], specs: Sequence[FeatureSpec],
   inputs = {}
   for spec in specs:
     batch_size = spec.batch_size * share // num_devices
-    flat = flatten_input(ids[spec.name], spec, padding_id=padding_id, batch_size=batch_size)
+    flat = flatten_input(ids[spec.name], spec, padding_id=padding_id_of(padding_id, spec.name),
+                         batch_size=batch_size)
     samples, columns, width = _places(flat, spec, batch_size)
     mask = kept[spec.name]
     inputs[spec.name] = SparseIds(

@@ -149,6 +149,12 @@ class Trainer:
       raise TypeError(f"pass either config or keyword options, not both (got {sorted(options)}).")
     self.config = config if config is not None else TrainerConfig(**options)
     self._features = FeatureTree.of(feature_specs)
+    if isinstance(self.config.padding_id, Mapping):
+      unknown = sorted(set(self.config.padding_id) - {spec.name for spec in self._features.specs})
+      if unknown:
+        raise ValueError(
+            f"padding_id names features {unknown} that the Trainer does not have; its features"
+            f" are {[spec.name for spec in self._features.specs]}.")
     if mesh is None:
       mesh = default_mesh(axis_name)
     num_devices = mesh_axis_size(mesh, axis_name)

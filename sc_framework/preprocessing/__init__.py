@@ -12,8 +12,10 @@ from sc_framework.preprocessing._inputs import (
 )
 from sc_framework.preprocessing._kept import kept_id_masks
 from sc_framework.preprocessing._preprocess import (
+    PaddingId,
     batch_stats,
     collect_stats,
+    padding_id_of,
     preprocess,
 )
 from sc_framework.preprocessing._scratch import release as release_scratch_buffers
@@ -28,6 +30,8 @@ from sc_framework.preprocessing._stats import (
 )
 
 __all__ = [
+    "PaddingId",
+    "padding_id_of",
     "StackBatch",
     "StackSignature",
     "PreprocessedBatch",

@@ -98,7 +98,9 @@ def _device_range(devices: range | None, num_devices: int) -> range:
   return devices
 
 
-def _padding_of(padding_id: PaddingId, name: str) -> int | None:
+def padding_id_of(padding_id: PaddingId, name: str) -> int | None:
+  """The padding id of feature `name`: padding_id's entry for it (None when absent), or
+  padding_id itself when it is one id (or None) for every feature."""
   if isinstance(padding_id, Mapping):
     return padding_id.get(name)
   return padding_id
@@ -140,7 +142,7 @@ def _stacks(features, feature_specs, layout, padding_id, capacities, devices
   # Check every feature before the work on any stack starts.
   flat = {
       spec.name: flatten_input(
-          features[spec.name], spec, padding_id=_padding_of(padding_id, spec.name),
+          features[spec.name], spec, padding_id=padding_id_of(padding_id, spec.name),
           batch_size=spec.batch_size // g_count * len(local),
       )
       for spec in specs

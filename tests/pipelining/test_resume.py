@@ -728,3 +728,35 @@ def test_fits_after_a_stop_at_the_last_batch_start_the_data_over(pipelining):
   for _ in range(passes):
     reference.fit(batches)
   assert_same_run(stopped, reference)
+
+
+@pytest.mark.parametrize("padding_id", [{"fa": -1, "fb": 7}, {"fa": -1}])
+def test_a_padding_id_per_feature_saves_its_batch_in_flight_and_resumes_bit_exact(
+    tmp_path, padding_id):
+  # fb's padding 7 is a real row for other features: its entries are skipped, not looked up.
+  def trainer(workdir):
+    return Trainer(LinearHead(), make_specs(Adagrad(0.3)), mse, optax.adam(0.05),
+                   mesh=mesh_of(1), pipelining=True, progress="off", padding_id=padding_id,
+                   workdir=workdir)
+
+  batches = make_batches(6, seed=70)
+  for batch in batches:
+    batch["sparse"]["fa2"] = np.abs(batch["sparse"]["fa2"])
+  stopped = trainer(tmp_path)
+  assert stopped.fit(batches, num_steps=3).final_step == 3
+  assert stopped.latest_checkpoint_step() == 3  # It saved the batch in flight.
+  resumed = trainer(tmp_path)
+  assert resumed.fit(batches).resumed_from == 3
+  reference = trainer(None)
+  reference.fit(batches)
+  assert_same_run(resumed, reference)
+
+
+def test_a_padding_id_that_is_no_id_is_refused_when_the_trainer_is_built():
+  for padding_id, match in [(-1.0, r"must be an int id .*got -1.0 \(float\)"),
+                            ("x", r"got 'x' \(str\)"), (True, r"got True \(bool\)"),
+                            ({"fa": 1.5}, r"feature names to an int id .*\{'fa': 1.5\}")]:
+    with pytest.raises(TypeError, match=match):
+      Trainer(LinearHead(), make_specs(SGD(0.1)), mse, optax.sgd(0.1), padding_id=padding_id)
+  with pytest.raises(ValueError, match=r"padding_id names features \['fz'\].*features are"):
+    Trainer(LinearHead(), make_specs(SGD(0.1)), mse, optax.sgd(0.1), padding_id={"fz": -1})
