@@ -61,6 +61,7 @@ def check_tables(plan: EmbeddingPlan, tables: Mapping[str, Any], what: str = "ta
               " this plan's layout.")
   for stack in plan.layout.stacks:
     shape = tuple(getattr(tables[stack.name], "shape", ()))
+    _check_floating(tables[stack.name], f"{what}[{stack.name!r}]")
     if shape != stack.shape:
       raise ValueError(
           f"{what}[{stack.name!r}] has shape {shape} but stack {stack.name!r} of the plan's"
@@ -90,6 +91,7 @@ def check_variables(plan: EmbeddingPlan, variables: Any) -> None:
     for name, spec in specs.items():
       expected = (stack.shape[0], stack.shape[1] if spec.width is None else spec.width)
       shape = tuple(getattr(slots[name], "shape", ()))
+      _check_floating(slots[name], f"variables.slots[{stack.name!r}][{name!r}]")
       if shape != expected:
         raise ValueError(
             f"variables.slots[{stack.name!r}][{name!r}] has shape {shape} but the optimizer's"
@@ -111,6 +113,18 @@ def check_stacked(plan: EmbeddingPlan, stacked: dict[str, jax.Array], what: str,
           f" {expected}: the samples of its features {[f.name for f in stack.features]} over"
           f" the batch, {stack.padded_embedding_dim} columns. {hint}"
       )
+
+
+def _check_floating(array: Any, what: str) -> None:
+  """Tables and slots are floating point: integer ones would be looked up and updated
+  with every value truncated, silently (quantized tables are not supported)."""
+  dtype = getattr(array, "dtype", None)
+  if dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(
+        f"{what} has dtype {np.dtype(dtype).name}; tables and slots must be floating point"
+        " (float32, or bfloat16 tables): integer tables would have every activation and"
+        " update truncated. Keep them in float32 (or bfloat16) for training."
+    )
 
 
 def _shape_of(array: Any, what: str) -> tuple[int, ...]:

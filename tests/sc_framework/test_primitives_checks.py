@@ -27,6 +27,7 @@ from sc_framework.primitives import (
     EmbeddingVariables,
     apply_embedding_gradients,
     apply_stacked_gradients,
+    available_backends,
     embedding_lookup,
     init_embedding_variables,
     split_stacked_activations,
@@ -105,6 +106,27 @@ def test_a_wider_table_is_refused_before_the_update():
   with pytest.raises(ValueError, match=r"has shape \(\d+, 16\) but stack"):
     apply_embedding_gradients(plan, variables._replace(tables={stack.name: wider}),
                               _batch(features, plan), _grads(features), 0)
+
+
+@pytest.mark.parametrize("backend", ["xla", "cpu"])
+def test_integer_tables_or_slots_are_refused_not_truncated(backend):
+  features = _features(RowWiseAdagrad(0.1))
+  plan = _plan(features)
+  if backend not in available_backends(plan):
+    pytest.skip(f"backend {backend!r} is not available here")
+  variables = init_embedding_variables(plan, jax.random.key(0))
+  (stack,) = plan.layout.stacks
+  quantized = {stack.name: jnp.round(variables.tables[stack.name] * 100).astype(jnp.int32)}
+  batch = _batch(features, plan)
+  with pytest.raises(TypeError, match=rf"tables\['{stack.name}'\] has dtype int32; .*floating"):
+    embedding_lookup(plan, quantized, batch, backend=backend)
+  with pytest.raises(TypeError, match=r"variables.tables\[.*\] has dtype int32"):
+    apply_embedding_gradients(plan, variables._replace(tables=quantized), batch,
+                              _grads(features), 0, backend=backend)
+  int_slots = {stack.name: {"accumulator": jnp.ones((stack.shape[0], 1), jnp.int32)}}
+  with pytest.raises(TypeError, match=r"slots\[.*\]\['accumulator'\] has dtype int32"):
+    apply_embedding_gradients(plan, variables._replace(slots=int_slots), batch,
+                              _grads(features), 0, backend=backend)
 
 
 @pytest.mark.parametrize("step, error, message", [
