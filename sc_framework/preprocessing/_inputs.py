@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -289,6 +289,12 @@ def _to_csr(value: FeatureInput, owner: str, padding_id: int | None):
   _unmasked(ids, owner, "ids")
   if isinstance(ids, (list, tuple)) or (isinstance(ids, np.ndarray) and ids.dtype == object):
     return _check_ragged(_ragged_from_rows(ids, weights, owner=owner), owner)
+  if ids is None or isinstance(ids, (str, bytes, Mapping)):
+    raise TypeError(
+        f"{owner}: got {type(ids).__name__} {_short(ids)} as its ids; pass an integer array"
+        " [B] or [B, L], a list of each sample's ids, or RaggedIds / RaggedRows / SparseIds /"
+        " DenseIds."
+    )
   ids = np.asarray(ids)
   if ids.ndim not in (1, 2):
     raise ValueError(f"{owner}: dense ids must have shape [B] or [B, L], got {ids.shape}.")
@@ -373,11 +379,31 @@ def _is_real(dtype: np.dtype) -> bool:
 
 
 def _check_int(array: np.ndarray, owner: str, what: str) -> None:
-  if not np.issubdtype(array.dtype, np.integer):
-    raise TypeError(
-        f"{owner}: {what} must be an integer array, got dtype {array.dtype}. Hash or bucket"
-        " non-integer ids into [0, vocabulary_size) first."
+  # numpy counts timedelta64 as a signed integer type; durations are no ids.
+  if not np.issubdtype(array.dtype, np.integer) or array.dtype.kind == "m":
+    hint = (" Hash or bucket non-integer ids into [0, vocabulary_size) first." if what == "ids"
+            else "")
+    raise TypeError(f"{owner}: {what} must be an integer array, got dtype {array.dtype}.{hint}")
+
+
+def _dense_shape(value: SparseIds, owner: str) -> tuple[int, ...]:
+  """A COO input's dense_shape as ints: (B,) or (B, L), each a non-negative integer."""
+  declared = _unmasked(value.dense_shape, owner, "dense_shape")
+  if isinstance(declared, (list, tuple)):  # numpy would read (4, 2**63) as floats
+    sizes = list(declared)
+  else:
+    try:
+      array = np.asarray(declared)
+    except (TypeError, ValueError):
+      array = np.asarray(None)
+    sizes = array.tolist() if array.ndim == 1 and array.dtype.kind in "iu" else None
+  if sizes is None or len(sizes) not in (1, 2) or not all(
+      isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in sizes):
+    raise ValueError(
+        f"{owner}: dense_shape must be (B, L) (or (B,)) of non-negative integers, got"
+        f" {declared!r}."
     )
+  return tuple(int(d) for d in sizes)
 
 
 def _check_ragged(value: RaggedIds, owner: str):
@@ -420,9 +446,7 @@ def _coo_sorted(value: SparseIds, owner: str):
   """
   indices = np.asarray(_unmasked(value.indices, owner, "COO indices"))
   values = np.asarray(_unmasked(value.values, owner, "ids"))
-  shape = tuple(int(d) for d in np.asarray(value.dense_shape).reshape(-1))
-  if len(shape) not in (1, 2):
-    raise ValueError(f"{owner}: dense_shape must be (B, L), got {shape}.")
+  shape = _dense_shape(value, owner)
   if indices.ndim != 2 or indices.shape[1] != len(shape) or indices.shape[0] != values.shape[0]:
     raise ValueError(
         f"{owner}: COO indices must have shape [nnz, {len(shape)}] with nnz = len(values) ="
@@ -636,9 +660,7 @@ def flatten_input(
         f" ({type(padding_id).__name__})."
     )
   if isinstance(value, SparseIds):  # before arrays of dense_shape[0] samples are made
-    declared = np.asarray(_unmasked(value.dense_shape, owner, "dense_shape")).reshape(-1)
-    if declared.size and np.issubdtype(declared.dtype, np.integer):
-      _check_batch(int(declared[0]), feature, batch_size, owner)
+    _check_batch(_dense_shape(value, owner)[0], feature, batch_size, owner)
   length = feature.sequence_length
   if length is None:
     values, splits, weights, padding_done = _to_csr(value, owner, padding_id)
@@ -735,3 +757,9 @@ def _float32_weights(weights: np.ndarray, values: np.ndarray, splits: np.ndarray
             " the sample's weights up (the combined result does not depend on their scale)."
         )
   return narrow
+
+
+def _short(value: Any) -> str:
+  """repr(value), cut to 60 characters."""
+  text = repr(value)
+  return text if len(text) <= 60 else text[:57] + "..."

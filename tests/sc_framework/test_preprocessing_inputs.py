@@ -12,6 +12,7 @@ Every test runs with the C++ preprocessing loops (where built) and with numpy.
 from __future__ import annotations
 
 import math
+import re
 import tracemalloc
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -444,6 +445,32 @@ def test_coo_of_a_wrong_batch_size_is_refused_before_its_arrays_are_made():
   finally:
     tracemalloc.stop()
   assert peak < 2**20, f"{peak} bytes allocated"
+
+
+@pytest.mark.parametrize("dense_shape", [(8.9, 3.7), (4.0, 3), "4,3", None, (4, float("nan")),
+                                         (4, -3), (4, 3, 2), ()])
+def test_a_dense_shape_that_is_no_shape_is_refused_not_truncated(dense_shape):
+  spec = FeatureSpec("f", TableSpec("t", 100, 8), (4, 3))
+  coo = SparseIds([[0, 0], [3, 2]], [1, 2], dense_shape)
+  with pytest.raises(ValueError, match=r"feature 'f': dense_shape must be \(B, L\) \(or \(B,\)\)"
+                                       r" of non-negative integers, got"):
+    flatten_input(coo, spec)
+
+
+@pytest.mark.parametrize("ids, named", [(None, "NoneType None"), ("abc", "str 'abc'"),
+                                        ({"a": 1}, "dict {'a': 1}"), (b"1", "bytes b'1'")])
+def test_ids_that_are_no_ids_are_named_by_type(ids, named):
+  spec = FeatureSpec("f", TableSpec("t", 100, 8), (4, 3))
+  with pytest.raises(TypeError, match=rf"feature 'f': got {re.escape(named)} as its ids; pass an"):
+    flatten_input(ids, spec)
+
+
+def test_float_coo_indices_and_timedelta_ids_are_refused():
+  spec = FeatureSpec("f", TableSpec("t", 100, 8), (4, 3))
+  with pytest.raises(TypeError, match=r"feature 'f': indices must be an integer array, got dtype float64\.$"):
+    flatten_input(SparseIds(np.array([[0.0, 0.0]]), [1], (4, 3)), spec)
+  with pytest.raises(TypeError, match=r"ids must be an integer array, got dtype timedelta64"):
+    flatten_input(np.ones((4, 3), "timedelta64[s]"), spec)
 
 
 # --- weights ------------------------------------------------------------------
