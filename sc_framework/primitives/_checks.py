@@ -293,6 +293,33 @@ def _check_signature(plan: EmbeddingPlan, stack, sparse: StackBatch, what: str) 
   )
 
 
+def _check_buffer_ranges(sparse: StackBatch, what: str, stack_name: str) -> None:
+  """A host batch's buffers hold only values preprocess writes (not so a batch built or
+  edited by hand): unique rows >= -1 (-1: unused), samples >= 0, unique indices in
+  [0, N * U) (the device's flattened unique rows) and finite gains. The kernels would
+  skip such entries, or spread a NaN, silently."""
+  rows, samples, index = sparse.unique_rows, sparse.entry_samples, sparse.entry_unique_index
+  if not all(isinstance(array, np.ndarray) for array in (rows, samples, index)):
+    return  # Traced (under jit) or on the devices: nothing to read cheaply.
+  unique = int(np.prod(rows.shape[1:]))
+  problems = []
+  if rows.size and int(rows.min()) < -1:
+    problems.append(f"unique_rows holds {int(rows.min())} (rows are >= 0, -1 for unused)")
+  if samples.size and int(samples.min()) < 0:
+    problems.append(f"entry_samples holds {int(samples.min())} (samples are >= 0)")
+  if index.size and (int(index.min()) < 0 or int(index.max()) >= unique):
+    bad = int(index.min()) if int(index.min()) < 0 else int(index.max())
+    problems.append(f"entry_unique_index holds {bad}, outside [0, N * U = {unique})")
+  gains = sparse.entry_gains
+  if isinstance(gains, np.ndarray) and not np.isfinite(gains).all():
+    problems.append("entry_gains holds a non-finite value")
+  if problems:
+    raise ValueError(
+        f"{what}[{stack_name!r}]: " + "; ".join(problems) + ". preprocess never writes such"
+        " values: the batch was built or edited by hand. Build it with preprocess."
+    )
+
+
 def _check_batch_values(plan: EmbeddingPlan, stack, sparse: StackBatch, what: str) -> None:
   """A host (numpy) batch's rows and samples fit the stack (eager calls only).
 
@@ -301,6 +328,7 @@ def _check_batch_values(plan: EmbeddingPlan, stack, sparse: StackBatch, what: st
   samples beyond the devices' B_loc, would be skipped silently (zero
   activations, no update). Under jit the arrays are tracers: nothing to read.
   """
+  _check_buffer_ranges(sparse, what, stack.name)
   rows, samples = sparse.unique_rows, sparse.entry_samples
   local_batch = stack.total_batch_size // plan.num_devices
   problems = []

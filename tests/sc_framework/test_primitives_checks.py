@@ -129,6 +129,30 @@ def test_integer_tables_or_slots_are_refused_not_truncated(backend):
                               _grads(features), 0, backend=backend)
 
 
+@pytest.mark.parametrize("num_devices", [1, 8])
+@pytest.mark.parametrize("field, at, value, message", [
+    ("entry_unique_index", (0, 0), "NU+3", r"entry_unique_index holds \d+, outside \[0, N \* U"),
+    ("entry_unique_index", (0, 0), -5, r"entry_unique_index holds -5, outside"),
+    ("unique_rows", (0, 0, 0), -7, r"unique_rows holds -7 \(rows are >= 0, -1 for unused\)"),
+    ("entry_samples", (0, 0), -2, r"entry_samples holds -2"),
+    ("entry_gains", (0, 0), np.nan, r"entry_gains holds a non-finite value"),
+])
+def test_a_batch_edited_by_hand_is_refused_not_read_around(num_devices, field, at, value, message):
+  features = _features()
+  plan = _plan(features, num_devices)
+  variables = init_embedding_variables(plan, jax.random.key(0))
+  (stack,) = plan.layout.stacks
+  sparse = _batch(features, plan)[stack.name]
+  array = np.array(getattr(sparse, field))
+  array[at] = sparse.unique_rows[0].size + 3 if value == "NU+3" else value
+  edited = {stack.name: sparse._replace(**{field: array})}
+  for backend in available_backends(plan):
+    with pytest.raises(ValueError, match=rf"batch\['{stack.name}'\]: {message}.*by hand"):
+      embedding_lookup(plan, variables.tables, edited, backend=backend)
+  with pytest.raises(ValueError, match=message):
+    apply_embedding_gradients(plan, variables, edited, _grads(features), 0)
+
+
 @pytest.mark.parametrize("step, error, message", [
     (-1, ValueError, r"step must be in \[0, 2\^31\), got -1"),
     (2**31, ValueError, r"got 2147483648"),
