@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 BatchUse = Literal["training", "evaluation", "prediction"]
@@ -56,21 +57,41 @@ _WHY = {
 Shapes = dict[str, tuple[tuple[int, ...], str]]
 
 
-def describe(tree: Any) -> Shapes:
-  """Leaf path ("['user']", "" for a single array) -> (shape, dtype as JAX holds it)."""
+def describe(tree: Any, entry: str = "", where: str = "a batch") -> Shapes:
+  """Leaf path ("['user']", "" for a single array) -> (shape, dtype as JAX holds it).
+
+  Raises:
+    TypeError: a leaf of a dtype JAX holds no array of (strings, Python
+      objects), naming the batch (`where`), the entry and the leaf.
+  """
   leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-  return {
-      jax.tree_util.keystr(path): (
-          tuple(np.shape(leaf)),
-          str(jax.dtypes.canonicalize_dtype(getattr(leaf, "dtype", None) or np.asarray(leaf).dtype)),
+  out = {}
+  for path, leaf in leaves:
+    dtype = getattr(leaf, "dtype", None) or np.asarray(leaf).dtype
+    if not (jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)):
+      raise TypeError(
+          f"{where}: {entry}{jax.tree_util.keystr(path)} has dtype {dtype}, which no device"
+          " array holds; pass numbers (float or int arrays): encode strings and objects"
+          " (categories as sparse ids, values as floats) first."
       )
-      for path, leaf in leaves
-  }
+    out[jax.tree_util.keystr(path)] = (
+        tuple(np.shape(leaf)), str(jax.dtypes.canonicalize_dtype(dtype)))
+  return out
 
 
 def batch_name(use: BatchUse, index: int | None) -> str:
   """How messages name a batch: "batch 3 of the training data" (0-based), or "a batch"."""
   return "a batch" if index is None else f"batch {index} of the {use} data"
+
+
+def check_not_one_batch(data: Any, argument: str) -> None:
+  """Raises TypeError when `data` is one batch (a dict with a 'sparse' entry), not batches:
+  iterating it would give its keys, each refused as "a str, not a dict"."""
+  if isinstance(data, Mapping) and "sparse" in data:
+    raise TypeError(
+        f"{argument} is one batch (a dict with 'sparse'), not an iterable of batches; pass a"
+        " list of batches ([batch] for this one), a generator or another iterable."
+    )
 
 
 def check_entries(raw: Any, use: BatchUse, where: str) -> None:
@@ -194,7 +215,7 @@ class BatchChecker:
     check_entries(raw, use, where)
     for entry in _CHECKED[use]:
       check_unmasked(raw.get(entry), entry, where)
-      shapes = describe(raw.get(entry))
+      shapes = describe(raw.get(entry), entry, where)
       check_rows(shapes, entry, self._rows, self._samples, where)
       with self._lock:
         first = self._first.setdefault(entry, shapes)

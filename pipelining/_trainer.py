@@ -23,6 +23,7 @@ from pipelining._batch_check import (
     BatchUse,
     batch_name,
     check_labels_fit_predictions,
+    check_not_one_batch,
 )
 from pipelining._callbacks import Callback
 from pipelining._config import TrainerConfig, check_count
@@ -601,6 +602,8 @@ class Trainer:
         (none, one at step 0, or one evaluate adopted from a checkpoint): fit
         does not start over beside them (the message names the steps).
     """
+    check_not_one_batch(train_data, "fit's train_data")
+    check_not_one_batch(eval_data, "fit's eval_data")
     num_steps, epochs, eval_every = _fit_arguments(num_steps, epochs, eval_data, eval_every)
     callbacks = _checked_callbacks(callbacks)
     history = History()
@@ -889,6 +892,7 @@ class Trainer:
 
   def _prepared(self, data: Iterable[Any], use: BatchUse) -> Iterator[DeviceBatch]:
     """The staged batches of `data` (evaluate or predict), built on the first one."""
+    check_not_one_batch(data, f"the {use} data")
     with Prefetcher(iter(data), lambda raw, index: self._stage(raw, use, index).batch,
                     depth=self.config.prefetch_depth,
                     workers=self.config.prefetch_workers) as prefetcher:

@@ -34,9 +34,25 @@ def default_initializer(key: jax.Array, shape: tuple[int, ...], dtype=jnp.float3
   return jax.nn.initializers.truncated_normal(stddev)(key, shape, dtype)
 
 
+# The partition limits size int32-indexed buffers: larger ones can never be allocated.
+MAX_PARTITION_CAPACITY = 2**31 - 1
+
+
 def _check_positive_int(owner: str, name: str, value) -> None:
   if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
     raise ValueError(f"{owner}: {name} must be a positive int, got {value!r}.")
+
+
+def check_partition_limit(owner: str, name: str, value) -> None:
+  """A positive int of at most MAX_PARTITION_CAPACITY (the buffers' int32 indices)."""
+  _check_positive_int(owner, name, value)
+  if value > MAX_PARTITION_CAPACITY:
+    shown = value if value < 10**15 else f"{value:.3e}"
+    raise ValueError(
+        f"{owner}: {name} is {shown}, more than the {MAX_PARTITION_CAPACITY} entries int32"
+        " buffers index; limits are ids per step and partition (size_limits_from_stats"
+        " computes them from batches, with a headroom of about 1.3)."
+    )
 
 
 _TABLE_RENAMED = {
@@ -100,8 +116,8 @@ class TableSpec:
     owner = f"table {self.name!r}"
     _check_positive_int(owner, "vocabulary_size", self.vocabulary_size)
     _check_positive_int(owner, "embedding_dim", self.embedding_dim)
-    _check_positive_int(owner, "max_ids_per_partition", self.max_ids_per_partition)
-    _check_positive_int(owner, "max_unique_ids_per_partition", self.max_unique_ids_per_partition)
+    check_partition_limit(owner, "max_ids_per_partition", self.max_ids_per_partition)
+    check_partition_limit(owner, "max_unique_ids_per_partition", self.max_unique_ids_per_partition)
     if self.combiner not in COMBINERS:
       raise ValueError(f"{owner}: unknown combiner {self.combiner!r}; expected one of {COMBINERS}.")
     if not isinstance(self.optimizer, OptimizerSpec):
@@ -156,6 +172,11 @@ class FeatureSpec:
     owner = f"feature {self.name!r}"
     if not isinstance(self.table, TableSpec):
       raise TypeError(f"{owner}: table must be a TableSpec, got {type(self.table).__name__}.")
+    if not isinstance(self.input_shape, Sequence) or isinstance(self.input_shape, str):
+      raise TypeError(
+          f"{owner}: input_shape must be a tuple such as (batch, max ids per sample) or"
+          f" (batch, None), got {self.input_shape!r}."
+      )
     input_shape = tuple(python_scalar(size) for size in self.input_shape)
     if len(input_shape) not in (1, 2):
       raise ValueError(

@@ -50,6 +50,11 @@ def _check_names(features: Mapping[str, FeatureInput], specs: Sequence[FeatureSp
 
 
 def _check_layout(specs: Sequence[FeatureSpec], layout: EmbeddingLayout) -> None:
+  if not isinstance(layout, EmbeddingLayout):
+    raise TypeError(
+        "layout must be the EmbeddingLayout the ids are preprocessed for (plan.layout, or"
+        f" auto_stack_tables / stack_tables of the feature specs), got {type(layout).__name__}."
+    )
   by_name = {spec.name: spec for spec in specs}
   placed = set()
   for stack in layout.stacks:
@@ -256,17 +261,25 @@ def preprocess(
   batches: dict[str, StackBatch] = {}
   stats = {}
   for work in _stacks(features, feature_specs, layout, padding_id, capacities, devices):
-    batch, stats[work.stack.name] = partition_stack(
-        work.stack,
-        work.keys,
-        num_devices=len(work.devices),
-        combiner=work.combiner,
-        capacity=work.capacity,
-        allow_id_dropping=allow_id_dropping,
-        describe_sample=work.describe,
-        first_device=work.devices.start,
-        sequence_samples=work.sequence_samples(),
-    )
+    try:
+      batch, stats[work.stack.name] = partition_stack(
+          work.stack,
+          work.keys,
+          num_devices=len(work.devices),
+          combiner=work.combiner,
+          capacity=work.capacity,
+          allow_id_dropping=allow_id_dropping,
+          describe_sample=work.describe,
+          first_device=work.devices.start,
+          sequence_samples=work.sequence_samples(),
+      )
+    except MemoryError as error:  # Buffers of (C, U) entries per partition.
+      error.add_note(
+          f"(the buffers of stack {work.stack.name!r}, tables {list(work.stack.table_names)},"
+          f" for max_ids_per_partition {work.capacity.max_ids_per_partition} and"
+          f" max_unique_ids_per_partition {work.capacity.max_unique_ids_per_partition} over"
+          f" {work.stack.num_shards} shards: lower the limits, e.g. with size_limits_from_stats)")
+      raise
     batches[work.stack.name] = batch._replace(signature=work.signature)
   return batches, PreprocessStats(stats, layout)
 

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal, NamedTuple
 
 from sc_framework._scalars import python_scalar
-from sc_framework.specs import FeatureSpec, TableSpec, tables_of
+from sc_framework.specs import FeatureSpec, TableSpec, check_partition_limit, tables_of
 from sc_framework.stacking import EmbeddingLayout
 
 
@@ -76,8 +76,7 @@ def _check_capacity(stack: str, capacity) -> StackCapacity:
     ) from None
   ids, unique = python_scalar(ids), python_scalar(unique)  # numpy ints are ints
   for name, value in (("max_ids_per_partition", ids), ("max_unique_ids_per_partition", unique)):
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-      raise ValueError(f"stack {stack!r}: {name} must be a positive int, got {value!r}.")
+    check_partition_limit(f"stack {stack!r}", name, value)
   return StackCapacity(ids, unique)
 
 
@@ -244,8 +243,18 @@ def _layout_difference(first: EmbeddingLayout | None,
 
 def merge_stats(stats: Iterable[PreprocessStats]) -> PreprocessStats:
   """The statistics of several batches as one (see `PreprocessStats.merge`)."""
+  if isinstance(stats, (str, bytes, Mapping)) or not isinstance(stats, Iterable):
+    raise TypeError(
+        "stats must be a PreprocessStats (of collect_stats or preprocess) or an iterable of"
+        f" them, got {type(stats).__name__}."
+    )
   result = PreprocessStats({})
   for item in stats:
+    if not isinstance(item, PreprocessStats):
+      raise TypeError(
+          "stats must be a PreprocessStats (of collect_stats or preprocess) or an iterable of"
+          f" them, got an iterable holding {type(item).__name__} values."
+      )
     result = result.merge(item)
   return result
 

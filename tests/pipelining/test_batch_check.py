@@ -202,3 +202,26 @@ def test_fit_refuses_masked_labels_before_their_step():
       "batch 1 of the training data: labels is a numpy masked array")):
     trainer.fit(batches)
   assert int(trainer.state.step) == 0  # pipelined: batch 0's step looks up batch 1
+
+
+def test_one_batch_given_as_the_data_is_named():
+  trainer = Trainer(LinearHead(), make_specs(SGD(0.1)), mse, optax.sgd(0.1), mesh=mesh_of(1),
+                    padding_id=-1, progress="off")
+  batch = make_batches(1, seed=0)[0]
+  pattern = r"is one batch \(a dict with 'sparse'\), not an iterable of batches; pass .*\[batch\]"
+  with pytest.raises(TypeError, match="fit's train_data " + pattern):
+    trainer.fit(batch)
+  with pytest.raises(TypeError, match="fit's eval_data " + pattern):
+    trainer.fit([batch], eval_data=batch, eval_every=1)
+  with pytest.raises(TypeError, match="the evaluation data " + pattern):
+    trainer.evaluate(batch)
+  with pytest.raises(TypeError, match="the prediction data " + pattern):
+    trainer.predict(batch)
+
+
+@pytest.mark.parametrize("dense", [np.full((BATCH, 3), "x", object), np.full((BATCH, 3), "1.5")])
+def test_dense_features_of_strings_or_objects_are_named(dense):
+  raw = batch(dense, np.zeros(BATCH, np.float32))
+  with pytest.raises(TypeError, match=rf"batch 2 of the training data: dense has dtype"
+                                      rf" {re.escape(str(dense.dtype))}, which no device array"):
+    BatchChecker([BATCH], 1, 1).check(raw, "training", 2)

@@ -673,3 +673,20 @@ def test_any_batch_matches_the_dense_oracle(case):
   again, _ = preprocess({"f": value}, specs, layout, padding_id=padding)
   for a, b in zip(again["t"], batches["t"]):
     assert_same_bits(a, b)
+
+
+def test_arguments_of_another_kind_are_named():
+  specs = [FeatureSpec("f", TableSpec("t", 100, 8), (4, 3))]
+  layout = auto_stack_tables(specs, 1)
+  ids = {"f": np.arange(12).reshape(4, 3)}
+  with pytest.raises(TypeError, match=r"layout must be the EmbeddingLayout .*got NoneType"):
+    preprocess(ids, specs, None)
+  for stats, got in ((None, "got NoneType"), ([1, 2], "holding int values"), ("s", "got str")):
+    with pytest.raises(TypeError, match=rf"stats must be a PreprocessStats .*{got}"):
+      size_limits_from_stats(specs, stats)
+  with pytest.raises(ValueError, match=r"stack 't': max_ids_per_partition is 1099511627776, more"
+                                       r" than the 2147483647 entries"):
+    preprocess(ids, specs, layout, capacities={"t": (2**40, 2**40)})
+  stats = collect_stats([ids], specs, layout)
+  with pytest.raises(ValueError, match=r"table 't': max_ids_per_partition is \d\.\d+e\+\d+, more"):
+    size_limits_from_stats(specs, stats, layout=layout, headroom=1e300)

@@ -316,3 +316,19 @@ def test_validate_feature_specs_rejects_two_tables_with_one_name(change):
   with pytest.raises(ValueError, match=_match("duplicate table name 'items'",
                                               "features 'item_id' and 'other_item_id'")):
     validate_feature_specs(features)
+
+
+def test_an_input_shape_that_is_no_tuple_is_named():
+  table = TableSpec("t", 10, 4)
+  for shape in (None, 8, "8,3"):
+    with pytest.raises(TypeError, match=r"feature 'f': input_shape must be a tuple such as"):
+      FeatureSpec("f", table, shape)
+
+
+def test_partition_limits_beyond_int32_buffers_are_refused_naming_the_table():
+  with pytest.raises(ValueError, match=r"table 't': max_ids_per_partition is 1.000e\+300, more"
+                                       r" than the 2147483647 entries"):
+    TableSpec("t", 10, 4, max_ids_per_partition=10**300)
+  with pytest.raises(ValueError, match=r"max_unique_ids_per_partition is 2147483648, more"):
+    TableSpec("t", 10, 4, max_unique_ids_per_partition=2**31)
+  TableSpec("t", 10, 4, max_ids_per_partition=2**31 - 1)
