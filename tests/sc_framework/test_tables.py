@@ -200,3 +200,17 @@ def test_a_trainer_starts_from_replaced_tables():
   assert int(trainer.state.step) == 0
   trainer.fit([batch])
   assert not np.array_equal(trainer.table_values(["b"])["b"], arrays["b"])
+
+
+def test_readme_tables_example_runs():
+  """The README's tables-example block runs as written (its asserts included)."""
+  import pathlib  # pylint: disable=g-import-not-at-top
+
+  text = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+  start, end = "<!-- tables-example:start -->", "<!-- tables-example:end -->"
+  assert start in text and end in text, "README.md lost its tables-example markers"
+  code = text.split(start, 1)[1].split(end, 1)[0].split("```python\n", 1)[1].split("```", 1)[0]
+  namespace: dict = {}
+  exec(compile(code, "<README tables example>", "exec"), namespace)  # pylint: disable=exec-used
+  assert namespace["accumulator"].shape == (1000, 1)
+  assert np.all(namespace["accumulator"] == RowWiseAdagrad().initial_accumulator)
