@@ -63,7 +63,9 @@ def _init_local_block(plan: EmbeddingPlan, stack: StackLayout, key: jax.Array, d
           raise ValueError(
               f"table {spec.name!r}: its initializer returned an array of shape"
               f" {jnp.shape(value)} when asked for shape {shape}; an initializer"
-              " (key, shape, dtype) -> array must return the shape it is given."
+              " (key, shape, dtype) -> array must return the shape it is given. To start"
+              " a table from given rows (pretrained embeddings), initialise it, then pass"
+              " the rows to replace_tables (Trainer.replace_tables)."
           )
         return jnp.asarray(value)[0]
 
