@@ -489,7 +489,9 @@ class Trainer:
     its slots `slots[name]` where given, else their initial values; nothing
     else changes (see `sc_framework.primitives.replace_tables`). Arrays may be
     memory-mapped: each device reads only its rows. With a workdir, a fit
-    still resumes from a checkpoint newer than the state's step.
+    still resumes from a checkpoint newer than the state's step. A batch a
+    stopped pipelined fit left in flight keeps the activations it looked up
+    from the rows before (the pipeline's one step of staleness).
     """
     state = self._state_or_refuse("replace_tables")
     self.state = state._replace(

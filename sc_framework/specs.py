@@ -47,7 +47,8 @@ def check_partition_limit(owner: str, name: str, value) -> None:
   """A positive int of at most MAX_PARTITION_CAPACITY (the buffers' int32 indices)."""
   _check_positive_int(owner, name, value)
   if value > MAX_PARTITION_CAPACITY:
-    shown = value if value < 10**15 else f"{value:.3e}"
+    digits = str(value)
+    shown = value if value < 10**15 else f"about {digits[0]}e{len(digits) - 1}"
     raise ValueError(
         f"{owner}: {name} is {shown}, more than the {MAX_PARTITION_CAPACITY} entries int32"
         " buffers index; limits are ids per step and partition (size_limits_from_stats"

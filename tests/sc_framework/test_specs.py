@@ -326,9 +326,11 @@ def test_an_input_shape_that_is_no_tuple_is_named():
 
 
 def test_partition_limits_beyond_int32_buffers_are_refused_naming_the_table():
-  with pytest.raises(ValueError, match=r"table 't': max_ids_per_partition is 1.000e\+300, more"
+  with pytest.raises(ValueError, match=r"table 't': max_ids_per_partition is about 1e300, more"
                                        r" than the 2147483647 entries"):
     TableSpec("t", 10, 4, max_ids_per_partition=10**300)
+  with pytest.raises(ValueError, match=r"is about 1e400, more"):
+    TableSpec("t", 10, 4, max_ids_per_partition=10**400)
   with pytest.raises(ValueError, match=r"max_unique_ids_per_partition is 2147483648, more"):
     TableSpec("t", 10, 4, max_unique_ids_per_partition=2**31)
   TableSpec("t", 10, 4, max_ids_per_partition=2**31 - 1)
