@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -51,6 +52,7 @@ from pipelining._steps import DeviceBatch, TrainState
 from sc_framework.optimizers import OptimizerSpec
 from sc_framework.preprocessing import PreprocessedBatch, StackBatch
 from sc_framework.primitives import EmbeddingPlan, EmbeddingVariables
+from sc_framework.stacking import logical_to_global_rows
 
 FORMAT = "sc_framework.trainer/2"
 LAYOUT_SPECIFIC_FORMAT = "sc_framework.trainer/1"
@@ -138,6 +140,17 @@ class TrainerCheckpoints:
       self._tracked += 1
     for stack, stack_rows in rows.items():
       self._rows.add(stack, stack_rows)
+
+  def track_tables(self, tables: Iterable[str]) -> None:
+    """Records every row of `tables` as updated (incremental only): their rows were
+    replaced (`Trainer.replace_tables`), so the next save writes them all."""
+    if self._rows is None:
+      return
+    layout = self._plan.layout
+    for name in tables:
+      stack = layout.stack_of_table(name)
+      rows = logical_to_global_rows(layout, name, np.arange(stack.table(name).vocabulary_size))
+      self._rows.add(stack.name, np.asarray(rows, np.int64))
 
   def tracked(self) -> int:
     """How many batches were tracked so far (a mark for `forget_tracked_since`)."""

@@ -8,11 +8,10 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import jax.numpy as jnp
-import numpy as np
 from etils import epath
 
 from checkpoint import IncrementalPolicy
-from sc_framework._scalars import python_scalar_fields
+from sc_framework._scalars import python_scalar, python_scalar_fields
 from sc_framework.preprocessing import PaddingId
 from sc_framework.primitives import EmbeddingBackend
 from sc_framework.stacking import Stacking, normalize_stacking
@@ -138,7 +137,7 @@ class TrainerConfig:
           "TrainerConfig.backend must be a backend name ('auto', 'xla', 'cpu', ...) or an"
           f" EmbeddingBackend, got {self.backend!r}."
       )
-    _check_padding_id(self.padding_id)
+    object.__setattr__(self, "padding_id", _checked_padding_id(self.padding_id))
     object.__setattr__(self, "stacking", normalize_stacking(self.stacking))
     object.__setattr__(self, "table_dtype", _table_dtype(self.table_dtype))
     if self.host_memory not in ("keep", "system"):
@@ -206,22 +205,26 @@ def _table_dtype(value: Any) -> str:
   return name
 
 
-def _check_padding_id(padding_id) -> None:
-  """padding_id is an int, None, or a mapping feature name -> int or None."""
+def _checked_padding_id(padding_id) -> PaddingId:
+  """padding_id as an int, None, or a dict feature name -> int or None (0-d numpy and JAX
+  integers become ints); TypeError for anything else."""
 
   def is_id(value) -> bool:
-    return value is None or (isinstance(value, (int, np.integer)) and not isinstance(value, bool))
+    return value is None or (isinstance(value, int) and not isinstance(value, bool))
 
   if isinstance(padding_id, Mapping):
-    bad = {name: value for name, value in padding_id.items()
+    ids = {name: python_scalar(value) for name, value in padding_id.items()}
+    bad = {name: value for name, value in ids.items()
            if not isinstance(name, str) or not is_id(value)}
     if bad:
       raise TypeError(
           "TrainerConfig.padding_id: a dict must map feature names to an int id (e.g. -1) or"
           f" None, got {bad}."
       )
-  elif not is_id(padding_id):
+    return ids
+  if not is_id(padding_id):
     raise TypeError(
         "TrainerConfig.padding_id must be an int id (e.g. -1), None, or a dict feature name"
         f" -> id, got {padding_id!r} ({type(padding_id).__name__})."
     )
+  return padding_id

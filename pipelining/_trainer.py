@@ -496,6 +496,8 @@ class Trainer:
     state = self._state_or_refuse("replace_tables")
     self.state = state._replace(
         embeddings=replace_tables(self.plan, state.embeddings, tables, slots))
+    if self._checkpoints is not None:  # An incremental save writes every replaced row.
+      self._checkpoints.track_tables(tables)
 
   def _state_or_refuse(self, what: str) -> TrainState:
     if self.state is None:

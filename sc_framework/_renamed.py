@@ -9,8 +9,33 @@ the constructor runs.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any
+
+
+def refusing_renamed(renamed: Mapping[str, str],
+                     check_args: Callable[[tuple], None] | None = None) -> Callable[[type], type]:
+  """A class decorator (outside @dataclass): its __init__ first refuses `renamed`'s
+  arguments (`refuse_renamed`) and runs check_args(args) on the positional ones.
+
+  The wrapped __init__ keeps the dataclass's signature (inspect, help, IDEs).
+  """
+
+  def decorate(cls: type) -> type:
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+      refuse_renamed(cls.__name__, kwargs, renamed)
+      if check_args is not None:
+        check_args(args)
+      init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
+
+  return decorate
 
 
 def refuse_renamed(owner: str, kwargs: Mapping[str, Any], renamed: Mapping[str, str]) -> None:

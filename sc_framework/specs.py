@@ -15,7 +15,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from sc_framework._renamed import refuse_renamed, use_instead
+from sc_framework._renamed import refusing_renamed, use_instead
 from sc_framework._scalars import python_scalar, python_scalar_fields
 from sc_framework.optimizers import SGD, OptimizerSpec
 
@@ -52,7 +52,7 @@ def check_partition_limit(owner: str, name: str, value) -> None:
     raise ValueError(
         f"{owner}: {name} is {shown}, more than the {MAX_PARTITION_CAPACITY} entries int32"
         " buffers index; limits are ids per step and partition (size_limits_from_stats"
-        " computes them from batches, with a headroom of about 1.3)."
+        " computes them from a few batches)."
     )
 
 
@@ -66,6 +66,17 @@ _TABLE_RENAMED = {
 }
 
 
+def _refuse_sparsecore_order(args: tuple) -> None:
+  """TableSpec(1000, 16, ...): jax-tpu-embedding's order (vocabulary_size first)."""
+  if args and isinstance(args[0], int) and not isinstance(args[0], bool):
+    raise ValueError(
+        f"TableSpec: name must be a non-empty string, got {args[0]!r}. TableSpec's fields"
+        " start with name, vocabulary_size, embedding_dim (jax-tpu-embedding's start with"
+        " vocabulary_size): pass them by keyword."
+    )
+
+
+@refusing_renamed(_TABLE_RENAMED, _refuse_sparsecore_order)
 @dataclasses.dataclass(frozen=True)
 class TableSpec:
   """One embedding table.
@@ -102,18 +113,10 @@ class TableSpec:
   max_ids_per_partition: int = 256
   max_unique_ids_per_partition: int = 256
 
-  def __new__(cls, *args, **kwargs):
-    del args  # dataclass __init__ takes them
-    refuse_renamed("TableSpec", kwargs, _TABLE_RENAMED)
-    return super().__new__(cls)
-
   def __post_init__(self):
     python_scalar_fields(self)
     if not isinstance(self.name, str) or not self.name:
-      order = (" TableSpec's fields start with name, vocabulary_size, embedding_dim"
-               " (jax-tpu-embedding's start with vocabulary_size): pass them by keyword."
-               if isinstance(self.name, int) else "")
-      raise ValueError(f"TableSpec: name must be a non-empty string, got {self.name!r}.{order}")
+      raise ValueError(f"TableSpec: name must be a non-empty string, got {self.name!r}.")
     owner = f"table {self.name!r}"
     _check_positive_int(owner, "vocabulary_size", self.vocabulary_size)
     _check_positive_int(owner, "embedding_dim", self.embedding_dim)
@@ -130,6 +133,7 @@ class TableSpec:
       raise TypeError(f"{owner}: initializer must be callable (key, shape, dtype) -> array.")
 
 
+@refusing_renamed({"table_spec": use_instead("table", "table_spec")})
 @dataclasses.dataclass(frozen=True)
 class FeatureSpec:
   """One sparse input feature, read through a table.
@@ -161,11 +165,6 @@ class FeatureSpec:
   input_shape: tuple[int, ...]
   output_shape: tuple[int, ...] | None = None
 
-  def __new__(cls, *args, **kwargs):
-    del args  # dataclass __init__ takes them
-    refuse_renamed("FeatureSpec", kwargs, {"table_spec": use_instead("table", "table_spec")})
-    return super().__new__(cls)
-
   def __post_init__(self):
     python_scalar_fields(self)
     if not isinstance(self.name, str) or not self.name:
@@ -173,7 +172,7 @@ class FeatureSpec:
     owner = f"feature {self.name!r}"
     if not isinstance(self.table, TableSpec):
       raise TypeError(f"{owner}: table must be a TableSpec, got {type(self.table).__name__}.")
-    if not isinstance(self.input_shape, Sequence) or isinstance(self.input_shape, str):
+    if isinstance(self.input_shape, (str, bytes)) or not hasattr(self.input_shape, "__iter__"):
       raise TypeError(
           f"{owner}: input_shape must be a tuple such as (batch, max ids per sample) or"
           f" (batch, None), got {self.input_shape!r}."

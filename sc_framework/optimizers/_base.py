@@ -134,8 +134,10 @@ class OptimizerSpec:
   clip_weight_max: float | None = None
 
   def __new__(cls, *args, **kwargs):
-    del args  # dataclass __init__ takes them
-    refuse_renamed(cls.__name__, kwargs, {**_RENAMED_OPTIONS, **cls.renamed_arguments})
+    del args  # The dataclass __init__ takes them.
+    own = {field.name for field in dataclasses.fields(cls)}  # A subclass may have such a field.
+    renamed = {**_RENAMED_OPTIONS, **cls.renamed_arguments}
+    refuse_renamed(cls.__name__, kwargs, {k: v for k, v in renamed.items() if k not in own})
     return super().__new__(cls)
 
   def __post_init__(self):

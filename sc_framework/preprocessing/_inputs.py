@@ -32,12 +32,14 @@ ids (the list form loops once over samples to read their lengths).
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
+from sc_framework._scalars import python_scalar
 from sc_framework.preprocessing import _native
 from sc_framework.specs import FeatureSpec
 
@@ -390,20 +392,30 @@ def _dense_shape(value: SparseIds, owner: str) -> tuple[int, ...]:
   """A COO input's dense_shape as ints: (B,) or (B, L), each a non-negative integer."""
   declared = _unmasked(value.dense_shape, owner, "dense_shape")
   if isinstance(declared, (list, tuple)):  # numpy would read (4, 2**63) as floats
-    sizes = list(declared)
+    sizes = [_size(d) for d in declared]
   else:
     try:
       array = np.asarray(declared)
     except (TypeError, ValueError):
       array = np.asarray(None)
-    sizes = array.tolist() if array.ndim == 1 and array.dtype.kind in "iu" else None
-  if sizes is None or len(sizes) not in (1, 2) or not all(
-      isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in sizes):
+    sizes = [_size(d) for d in array.reshape(-1).tolist()] if array.ndim else [None]
+  if len(sizes) not in (1, 2) or any(d is None or d < 0 for d in sizes):
     raise ValueError(
         f"{owner}: dense_shape must be (B, L) (or (B,)) of non-negative integers, got"
         f" {declared!r}."
     )
-  return tuple(int(d) for d in sizes)
+  return tuple(sizes)
+
+
+def _size(value: Any) -> int | None:
+  """One dense_shape entry as an int (numpy and JAX scalars, integral floats), or None."""
+  try:
+    value = python_scalar(value)
+  except (TypeError, ValueError):
+    return None
+  if isinstance(value, float) and math.isfinite(value) and value == int(value):
+    return int(value)
+  return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _check_ragged(value: RaggedIds, owner: str):

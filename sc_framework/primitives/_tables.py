@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from sc_framework.optimizers import SlotSpec
@@ -106,7 +107,7 @@ def replace_tables(
   """The variables with the rows of some tables replaced by host arrays.
 
   For each table t in `tables`, logical row i of the result is tables[t][i]
-  (cast to the variables' dtype: bfloat16 tables round to nearest), in
+  (cast to the variables' dtype as numpy casts: to bfloat16, to nearest), in
   whatever layout the plan has. Its slots become slots[t][name] where given,
   else the slot's initial value (the optimizer state of other rows does not
   apply to new ones). Other tables, and every padding row and column, are
@@ -128,11 +129,23 @@ def replace_tables(
   Raises:
     KeyError: a name is not a table of the plan, a slot not one of the
       table's optimizer, or `slots` names a table not in `tables`.
-    ValueError: an array has another shape than the table or slot.
+    ValueError: an array has another shape than the table or slot, or a value
+      that is not finite in the variables' dtype (NaN, an infinity, or too
+      large: 1e300 for float32), naming its row.
+    TypeError: `tables` or a table's `slots` is not a mapping, or an array
+      holds neither floats nor integers.
   """
   layout = plan.layout
+  if not isinstance(tables, Mapping):
+    raise TypeError(
+        f"replace_tables: tables must map table names to arrays, got {type(tables).__name__}.")
   _table_names(layout, tables, "replace_tables")
   slots = dict(slots or {})
+  for name, given in slots.items():
+    if not isinstance(given, Mapping):
+      raise TypeError(
+          f"replace_tables: slots[{name!r}] must map slot names to arrays, got"
+          f" {type(given).__name__}.")
   outside = [name for name in slots if name not in tables]
   if outside:
     raise KeyError(
@@ -177,9 +190,8 @@ def _with_rows(array: jax.Array, stack, arrays: dict, fill: float | None) -> jax
   what): None sets the table's rows to `fill`. Columns past `width` keep
   their values (padding).
   """
-  for index, (values, width, what) in arrays.items():
-    if values is not None:
-      _check_values(values, (stack.tables[index].vocabulary_size, width), what)
+  arrays = {index: (_checked_values(values, (stack.tables[index].vocabulary_size, width), what),
+                    width, what) for index, (values, width, what) in arrays.items()}
   shards = []
   for shard in array.addressable_shards:
     start, stop, _ = shard.index[0].indices(array.shape[0])
@@ -190,24 +202,32 @@ def _with_rows(array: jax.Array, stack, arrays: dict, fill: float | None) -> jax
         host[global_rows - start, :width] = fill
         continue
       rows = np.asarray(values[logical_rows])
-      finite = np.isfinite(rows).all(axis=1)
+      with np.errstate(over="ignore"):  # Checked after the cast: 1e300 is no float32.
+        cast = rows.astype(host.dtype)
+      finite = np.isfinite(cast).all(axis=1)
       if not finite.all():
         position = int(np.flatnonzero(~finite)[0])
         raise ValueError(
-            f"replace_tables: {what}: row {int(logical_rows[position])} holds a non-finite"
-            f" value: {rows[position].tolist()[:8]}."
+            f"replace_tables: {what}: row {int(logical_rows[position])} holds a value that is"
+            f" not finite in {host.dtype}: {rows[position].tolist()[:8]}."
         )
-      host[global_rows - start, :width] = rows.astype(host.dtype)
+      host[global_rows - start, :width] = cast
     shards.append(jax.device_put(host, shard.device))
   return jax.make_array_from_single_device_arrays(array.shape, array.sharding, shards)
 
 
-def _check_values(values, shape: tuple[int, int], what: str) -> None:
-  if tuple(np.shape(values)) != shape:
+def _checked_values(values, shape: tuple[int, int], what: str):
+  """`values` (None, or an array of `shape` and a float or integer dtype; nested lists become
+  one), else an error naming `what`."""
+  if values is None:
+    return None
+  if not hasattr(values, "shape"):
+    values = np.asarray(values)
+  if tuple(values.shape) != shape:
     raise ValueError(
-        f"replace_tables: {what}: expected an array of shape {shape}, got"
-        f" {tuple(np.shape(values))}."
+        f"replace_tables: {what}: expected an array of shape {shape}, got {tuple(values.shape)}."
     )
-  dtype = np.asarray(values[:0]).dtype
-  if dtype.kind not in "fiu":
+  dtype = np.dtype(values.dtype)
+  if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
     raise TypeError(f"replace_tables: {what}: expected a float or integer array, got {dtype}.")
+  return values

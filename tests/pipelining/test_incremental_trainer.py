@@ -134,3 +134,23 @@ def test_a_damaged_link_under_later_deltas_falls_back_and_trains_on(tmp_path):
   last = _tables(tmp_path, 7)
   for name, table in logical_tables(reference).items():
     assert_same_bits(last.tables[name], np.asarray(table))
+
+
+@pytest.mark.parametrize("pipelining", [True, False])
+def test_replaced_tables_are_saved_whole_by_the_next_delta(tmp_path, pipelining):
+  """replace_tables changes rows no batch touches: the delta after it must hold them."""
+  policy = ck.IncrementalPolicy(full_every=10, max_delta_share=1.0)
+  batches = make_batches(5, seed=11)
+  for batch in batches:  # Table b: batches touch rows 0 and 1 only.
+    batch["sparse"]["fb"] = batch["sparse"]["fb"] % 2
+  trainer = make_trainer(tmp_path, pipelining, policy)
+  trainer.fit(batches[:1])  # Step 1, a full save.
+  pretrained = np.random.default_rng(12).standard_normal((24, 4)).astype(np.float32)
+  trainer.replace_tables({"b": pretrained})
+  trainer.fit(batches[1:])  # Deltas.
+  assert_same_bits(logical_tables(trainer)["b"][2:], pretrained[2:])
+  saved = _tables(tmp_path, trainer.latest_checkpoint_step()).tables["b"]
+  assert_same_bits(np.asarray(saved)[2:], pretrained[2:])
+  resumed = make_trainer(tmp_path, pipelining, policy)
+  resumed.fit(batches[1:])  # Resumes the last step; nothing left to train.
+  assert_same_run(resumed, trainer)

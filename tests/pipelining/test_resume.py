@@ -760,3 +760,10 @@ def test_a_padding_id_that_is_no_id_is_refused_when_the_trainer_is_built():
       Trainer(LinearHead(), make_specs(SGD(0.1)), mse, optax.sgd(0.1), padding_id=padding_id)
   with pytest.raises(ValueError, match=r"padding_id names features \['fz'\].*features are"):
     Trainer(LinearHead(), make_specs(SGD(0.1)), mse, optax.sgd(0.1), padding_id={"fz": -1})
+
+
+def test_a_padding_id_of_numpy_integers_is_an_int():
+  trainer = Trainer(LinearHead(), make_specs(SGD(0.1)), mse, optax.sgd(0.1),
+                    padding_id={"fa": np.array(-1), "fb": np.int64(7), "fa2": None})
+  assert trainer.config.padding_id == {"fa": -1, "fb": 7, "fa2": None}
+  assert type(trainer.config.padding_id["fa"]) is int

@@ -17,6 +17,7 @@ import tracemalloc
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -447,14 +448,24 @@ def test_coo_of_a_wrong_batch_size_is_refused_before_its_arrays_are_made():
   assert peak < 2**20, f"{peak} bytes allocated"
 
 
-@pytest.mark.parametrize("dense_shape", [(8.9, 3.7), (4.0, 3), "4,3", None, (4, float("nan")),
-                                         (4, -3), (4, 3, 2), ()])
+@pytest.mark.parametrize("dense_shape", [(8.9, 3.7), (4, 3.5), "4,3", None, (4, float("nan")),
+                                         (4, -3), (4, 3, 2), (), (True, 3)])
 def test_a_dense_shape_that_is_no_shape_is_refused_not_truncated(dense_shape):
   spec = FeatureSpec("f", TableSpec("t", 100, 8), (4, 3))
   coo = SparseIds([[0, 0], [3, 2]], [1, 2], dense_shape)
   with pytest.raises(ValueError, match=r"feature 'f': dense_shape must be \(B, L\) \(or \(B,\)\)"
                                        r" of non-negative integers, got"):
     flatten_input(coo, spec)
+
+
+@pytest.mark.parametrize("dense_shape", [
+    (4, 3), [4, 3], np.array([4, 3]), np.array([4, 3], np.uint64), np.array([[4, 3]]),
+    (np.int64(4), np.uint64(3)), (np.array(4), np.array(3)), (4.0, 3.0),
+    (jnp.int32(4), jnp.int32(3)), tuple(jnp.array([4, 3])), jnp.array([4, 3])])
+def test_dense_shapes_of_every_integer_form_are_read(dense_shape):
+  spec = FeatureSpec("f", TableSpec("t", 100, 8), (4, 3))
+  flat = flatten_input(SparseIds([[0, 0], [3, 2]], [1, 2], dense_shape), spec)
+  assert flat.values.tolist() == [1, 2] and flat.row_splits.tolist() == [0, 1, 1, 1, 2]
 
 
 @pytest.mark.parametrize("ids, named", [(None, "NoneType None"), ("abc", "str 'abc'"),

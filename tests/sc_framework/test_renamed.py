@@ -2,6 +2,7 @@
 
 import copy
 import dataclasses
+import inspect
 import pickle
 import re
 
@@ -54,8 +55,28 @@ def test_an_unknown_argument_keeps_pythons_error():
 
 
 def test_jax_tpu_embeddings_positional_order_is_named():
-  with pytest.raises(ValueError, match="got 100.*start with name, vocabulary_size.*by keyword"):
-    TableSpec(100, 8, None, SGD(), "sum", "t")
+  for make in (lambda: TableSpec(100, 8, None, SGD(), "sum", "t"),
+               lambda: TableSpec(1000, 16, name="words")):
+    with pytest.raises(ValueError, match="name must be a non-empty string, got (100|1000)\\..*start"
+                                         " with name, vocabulary_size.*by keyword"):
+      make()
+
+
+def test_the_specs_keep_their_signatures():
+  assert list(inspect.signature(TableSpec).parameters)[:3] == [
+      "name", "vocabulary_size", "embedding_dim"]
+  assert list(inspect.signature(FeatureSpec).parameters) == [
+      "name", "table", "input_shape", "output_shape"]
+  assert "initial_accumulator" in inspect.signature(Adagrad).parameters
+
+
+def test_a_subclass_may_have_a_field_of_a_renamed_name():
+  @dataclasses.dataclass(frozen=True, repr=False)
+  class Lazy(SGD):
+    lazy_adam: bool = False
+
+  lazy = Lazy(0.1, lazy_adam=True)
+  assert lazy.lazy_adam and dataclasses.replace(lazy, learning_rate=0.2).lazy_adam
 
 
 @pytest.mark.parametrize(

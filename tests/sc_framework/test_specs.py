@@ -334,3 +334,9 @@ def test_partition_limits_beyond_int32_buffers_are_refused_naming_the_table():
   with pytest.raises(ValueError, match=r"max_unique_ids_per_partition is 2147483648, more"):
     TableSpec("t", 10, 4, max_unique_ids_per_partition=2**31)
   TableSpec("t", 10, 4, max_ids_per_partition=2**31 - 1)
+
+
+def test_an_input_shape_of_numpy_integers_is_read():
+  table = TableSpec("t", 10, 4)
+  assert FeatureSpec("f", table, np.array([4, 2])).input_shape == (4, 2)
+  assert FeatureSpec("f", table, [np.int64(4), None]).input_shape == (4, None)

@@ -137,6 +137,19 @@ def test_bfloat16_tables_round_the_given_rows():
   assert_same_bits(values["b"], arrays["b"].astype(jnp.bfloat16))
 
 
+def test_bfloat16_and_nested_list_arrays_are_taken():
+  plan = _plan(8, 2)
+  variables = init_embedding_variables(plan, jax.random.key(0), dtype=jnp.bfloat16)
+  values = table_values(plan, variables)  # bfloat16 arrays
+  again = replace_tables(plan, variables, values)
+  for name, table in values.items():
+    assert table.dtype == jnp.bfloat16
+    assert_same_bits(table_values(plan, again, [name])[name], table)
+  arrays = _random_tables(plan, 8)
+  listed = replace_tables(plan, variables, {"b": arrays["b"].tolist()})
+  assert_same_bits(table_values(plan, listed, ["b"])["b"], arrays["b"].astype(jnp.bfloat16))
+
+
 def test_memory_mapped_tables_are_read(tmp_path):
   plan = _plan(8, 2)
   arrays = _random_tables(plan, 6)
@@ -166,8 +179,20 @@ def test_bad_arguments_are_named():
     replace_tables(plan, variables, {"a": good["a"]}, slots={"b": {}})
   bad = good["a"].copy()
   bad[17, 3] = np.nan
-  with pytest.raises(ValueError, match="table 'a': row 17 holds a non-finite value"):
+  with pytest.raises(ValueError, match="table 'a': row 17 holds a value that is not finite in"
+                                       " float32"):
     replace_tables(plan, variables, {"a": bad})
+  large = good["a"].astype(np.float64)
+  large[3, 0] = 1e300  # finite in float64, not in the table's float32
+  with pytest.raises(ValueError, match="table 'a': row 3 holds a value that is not finite"):
+    replace_tables(plan, variables, {"a": large})
+  with pytest.raises(ValueError, match="slot 'accumulator' of table 'a': row 0 holds a value"):
+    replace_tables(plan, variables, {"a": good["a"]},
+                   slots={"a": {"accumulator": np.full((50, 1), 1e40)}})
+  with pytest.raises(TypeError, match="tables must map table names to arrays, got list"):
+    replace_tables(plan, variables, ["a"])
+  with pytest.raises(TypeError, match=r"slots\['a'\] must map slot names to arrays, got ndarray"):
+    replace_tables(plan, variables, {"a": good["a"]}, slots={"a": good["a"]})
   with pytest.raises(TypeError, match="table 'a': expected a float or integer array, got bool"):
     replace_tables(plan, variables, {"a": good["a"] > 0})
 
