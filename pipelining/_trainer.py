@@ -201,6 +201,7 @@ class Trainer:
     # decision, at the next check; with several processes a request on any
     # process stops all after the same step (`_stopping`).
     self._stop_requested = threading.Event()
+    self._fitting = False  # fit's loop runs (and carries the state itself)
     self._stop = threading.Event()
     self._dropped_ids = 0
     self._dropped_lock = threading.Lock()
@@ -493,6 +494,11 @@ class Trainer:
     stopped pipelined fit left in flight keeps the activations it looked up
     from the rows before (the pipeline's one step of staleness).
     """
+    if self._fitting:
+      raise RuntimeError(
+          "Trainer.replace_tables during fit (from a callback): fit's loop carries the state"
+          " from step to step and would not see the new rows. Call it between fits (or in"
+          " on_fit_end).")
     state = self._state_or_refuse("replace_tables")
     self.state = state._replace(
         embeddings=replace_tables(self.plan, state.embeddings, tables, slots))
@@ -625,6 +631,7 @@ class Trainer:
         loop_data=lambda: None if self._loop is None else self._loop.data)
     previous_handlers = install_stop_handlers(self._stop_requested)
     progress = None
+    self._fitting = True
     try:
       first = stream.next_batch()
       started = self._start_or_fall_back(first, train_data, history)
@@ -667,6 +674,7 @@ class Trainer:
       self._finish_saves_after_error()
       raise
     finally:
+      self._fitting = False
       try:
         stream.close()
         history.dropped_ids = self._dropped_ids - dropped_before

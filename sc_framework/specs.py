@@ -172,7 +172,8 @@ class FeatureSpec:
     owner = f"feature {self.name!r}"
     if not isinstance(self.table, TableSpec):
       raise TypeError(f"{owner}: table must be a TableSpec, got {type(self.table).__name__}.")
-    if isinstance(self.input_shape, (str, bytes)) or not hasattr(self.input_shape, "__iter__"):
+    if isinstance(self.input_shape, (str, bytes)) or not (
+        isinstance(self.input_shape, Sequence) or hasattr(self.input_shape, "__array__")):
       raise TypeError(
           f"{owner}: input_shape must be a tuple such as (batch, max ids per sample) or"
           f" (batch, None), got {self.input_shape!r}."

@@ -68,6 +68,7 @@ class FTRL(OptimizerSpec):
       **INITIAL_ACCUMULATOR_RENAMED,
       "l1_regularization_strength": use_instead("l1", "l1_regularization_strength"),
       "l2_regularization_strength": use_instead("l2", "l2_regularization_strength"),
+      "initial_linear_value": "not an option here: the linear slot z starts at 0.",
   }
 
   def __post_init__(self):

@@ -415,7 +415,12 @@ def _size(value: Any) -> int | None:
     return None
   if isinstance(value, float) and math.isfinite(value) and value == int(value):
     return int(value)
-  return value if isinstance(value, int) and not isinstance(value, bool) else None
+  if isinstance(value, (bool, float)):
+    return None
+  try:  # Python ints, and other libraries' integer scalars (torch, tf) by __index__.
+    return operator.index(value)
+  except TypeError:
+    return None
 
 
 def _check_ragged(value: RaggedIds, owner: str):

@@ -140,6 +140,10 @@ def replace_tables(
     raise TypeError(
         f"replace_tables: tables must map table names to arrays, got {type(tables).__name__}.")
   _table_names(layout, tables, "replace_tables")
+  if slots is not None and not isinstance(slots, Mapping):
+    raise TypeError(
+        "replace_tables: slots must map table names to {slot name: array}, got"
+        f" {type(slots).__name__}.")
   slots = dict(slots or {})
   for name, given in slots.items():
     if not isinstance(given, Mapping):
@@ -222,7 +226,10 @@ def _checked_values(values, shape: tuple[int, int], what: str):
   if values is None:
     return None
   if not hasattr(values, "shape"):
-    values = np.asarray(values)
+    try:
+      values = np.asarray(values)
+    except ValueError as error:  # e.g. rows of different lengths
+      raise ValueError(f"replace_tables: {what}: not an array of rows: {error}") from None
   if tuple(values.shape) != shape:
     raise ValueError(
         f"replace_tables: {what}: expected an array of shape {shape}, got {tuple(values.shape)}."

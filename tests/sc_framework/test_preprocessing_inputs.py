@@ -458,10 +458,21 @@ def test_a_dense_shape_that_is_no_shape_is_refused_not_truncated(dense_shape):
     flatten_input(coo, spec)
 
 
+class _IndexScalar:
+  """Another library's integer scalar (a torch or tf scalar tensor): an int by __index__."""
+
+  def __init__(self, value):
+    self.value = value
+
+  def __index__(self):
+    return self.value
+
+
 @pytest.mark.parametrize("dense_shape", [
     (4, 3), [4, 3], np.array([4, 3]), np.array([4, 3], np.uint64), np.array([[4, 3]]),
     (np.int64(4), np.uint64(3)), (np.array(4), np.array(3)), (4.0, 3.0),
-    (jnp.int32(4), jnp.int32(3)), tuple(jnp.array([4, 3])), jnp.array([4, 3])])
+    (jnp.int32(4), jnp.int32(3)), tuple(jnp.array([4, 3])), jnp.array([4, 3]),
+    (_IndexScalar(4), _IndexScalar(3))])
 def test_dense_shapes_of_every_integer_form_are_read(dense_shape):
   spec = FeatureSpec("f", TableSpec("t", 100, 8), (4, 3))
   flat = flatten_input(SparseIds([[0, 0], [3, 2]], [1, 2], dense_shape), spec)

@@ -35,6 +35,7 @@ TABLE = TableSpec("t", 10, 4)
         (lambda **kw: LaProp(**kw), "beta_2", "beta2="),
         (lambda **kw: FTRL(**kw), "l1_regularization_strength", "l1="),
         (lambda **kw: FTRL(**kw), "l2_regularization_strength", "l2="),
+        (lambda **kw: FTRL(**kw), "initial_linear_value", "linear slot z starts at 0"),
         (lambda **kw: SGD(**kw), "clip_gradient_min", "clipvalue=(min, max)"),
         (lambda **kw: Adam(**kw), "lazy_adam", "only the rows a batch touches"),
         (lambda **kw: TableSpec("t", 10, 4, **kw), "suggested_coo_buffer_size",

@@ -320,7 +320,7 @@ def test_validate_feature_specs_rejects_two_tables_with_one_name(change):
 
 def test_an_input_shape_that_is_no_tuple_is_named():
   table = TableSpec("t", 10, 4)
-  for shape in (None, 8, "8,3"):
+  for shape in (None, 8, "8,3", {20, 16}, {"b": 8}, (d for d in (8, 3))):
     with pytest.raises(TypeError, match=r"feature 'f': input_shape must be a tuple such as"):
       FeatureSpec("f", table, shape)
 

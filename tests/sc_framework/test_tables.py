@@ -193,6 +193,10 @@ def test_bad_arguments_are_named():
     replace_tables(plan, variables, ["a"])
   with pytest.raises(TypeError, match=r"slots\['a'\] must map slot names to arrays, got ndarray"):
     replace_tables(plan, variables, {"a": good["a"]}, slots={"a": good["a"]})
+  with pytest.raises(TypeError, match=r"slots must map table names to \{slot name: array\}"):
+    replace_tables(plan, variables, {"a": good["a"]}, slots=["a"])
+  with pytest.raises(ValueError, match=r"table 'a': not an array of rows"):
+    replace_tables(plan, variables, {"a": [[1.0] * 12] * 49 + [[1.0]]})
   with pytest.raises(TypeError, match="table 'a': expected a float or integer array, got bool"):
     replace_tables(plan, variables, {"a": good["a"] > 0})
 
@@ -200,7 +204,7 @@ def test_bad_arguments_are_named():
 def test_a_trainer_starts_from_replaced_tables():
   from flax import linen as nn  # pylint: disable=g-import-not-at-top
 
-  from pipelining import Trainer  # pylint: disable=g-import-not-at-top
+  from pipelining import Callback, Trainer  # pylint: disable=g-import-not-at-top
 
   class Head(nn.Module):
     @nn.compact
@@ -225,6 +229,14 @@ def test_a_trainer_starts_from_replaced_tables():
   assert int(trainer.state.step) == 0
   trainer.fit([batch])
   assert not np.array_equal(trainer.table_values(["b"])["b"], arrays["b"])
+
+  class ReplaceAtStep(Callback):
+    def on_step_end(self, trainer, step, metrics):
+      trainer.replace_tables({"b": arrays["b"]})
+
+  with pytest.raises(RuntimeError, match="replace_tables during fit .*between fits"):
+    trainer.fit([batch, batch], callbacks=[ReplaceAtStep()])
+  trainer.replace_tables({"b": arrays["b"]})  # Between fits, as the message says.
 
 
 def test_readme_tables_example_runs():
