@@ -489,7 +489,8 @@ def test_ids_that_are_no_ids_are_named_by_type(ids, named):
 
 def test_float_coo_indices_and_timedelta_ids_are_refused():
   spec = FeatureSpec("f", TableSpec("t", 100, 8), (4, 3))
-  with pytest.raises(TypeError, match=r"feature 'f': indices must be an integer array, got dtype float64\.$"):
+  with pytest.raises(TypeError,
+                     match=r"feature 'f': indices must be an integer array, got dtype float64\.$"):
     flatten_input(SparseIds(np.array([[0.0, 0.0]]), [1], (4, 3)), spec)
   with pytest.raises(TypeError, match=r"ids must be an integer array, got dtype timedelta64"):
     flatten_input(np.ones((4, 3), "timedelta64[s]"), spec)

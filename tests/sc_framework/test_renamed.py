@@ -44,7 +44,8 @@ TABLE = TableSpec("t", 10, 4)
     ],
 )
 def test_another_librarys_argument_name_says_what_to_pass_here(make, theirs, ours):
-  with pytest.raises(TypeError, match=rf"unexpected keyword argument '{theirs}': .*{re.escape(ours)}"):
+  with pytest.raises(TypeError,
+                     match=rf"unexpected keyword argument '{theirs}': .*{re.escape(ours)}"):
     make(**{theirs: TABLE if theirs == "table_spec" else 0.5})
 
 
