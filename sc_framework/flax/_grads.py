@@ -27,6 +27,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jax_extend_core
 
 from sc_framework.flax import _step
 from sc_framework.preprocessing import StackBatch
@@ -93,11 +94,20 @@ class _Site:
   shapes: dict[str, jax.ShapeDtypeStruct]
 
 
+def _trace_state() -> object | None:
+  """An opaque token of JAX's current trace (equal tokens: the same trace), or
+  None where this JAX version does not expose one."""
+  get = (getattr(jax_extend_core, "get_opaque_trace_state", None)
+         or getattr(jax.core, "get_opaque_trace_state", None))  # JAX <= 0.9.2
+  return None if get is None else get(convention="flax")
+
+
 class _Tap:
   """Collects the embedding layer calls of one trace of a loss."""
 
   def __init__(self, deltas: dict[str, dict[str, jax.Array]] | None):
     self.deltas = deltas  # None while discovering the layers
+    self.trace = _trace_state()  # the trace of the loss, where the layers must run
     self.sites: dict[str, _Site] = {}
     self.batches: dict[str, dict[str, StackBatch]] = {}
     self.paths_by_id: dict[int, tuple[Hashable, ...]] = {}
@@ -147,11 +157,19 @@ def tap_activations(
   tap = _CURRENT.get()
   if tap is None:
     return activations
-  if isinstance(layer, tuple):
-    path = layer
-  elif id(layer) in tap.paths_by_id:
-    path = tap.paths_by_id[id(layer)]
-  else:
+  path = layer if isinstance(layer, tuple) else tap.paths_by_id.get(id(layer))
+  if tap.trace is not None and _trace_state() != tap.trace:
+    # Its batch and activations would be tracers of that transform, which the
+    # step reads outside it: JAX's error would name neither the layer nor why.
+    described = repr(layer_key(path)) if path is not None else type(layer).__name__
+    raise ValueError(
+        f"embedding layer {described} was called inside a transform of the loss (nn.remat,"
+        " nnx.remat, jax.checkpoint, nn.scan, nn.vmap, nn.jit, ...), which the sparse update"
+        " cannot follow. Call embedding layers in the loss itself and apply such transforms to"
+        " the dense part of the model only (e.g. nn.remat(DenseBlock)), passing it the"
+        " activations."
+    )
+  if path is None:
     raise ValueError(
         "an embedding layer that is not part of the model being trained was called inside the"
         " training step's loss. Make every embedding layer an attribute of the model passed to"
@@ -212,9 +230,15 @@ def value_and_activation_grad(
   Returns:
     (loss, aux or None, extra, dL/dparams, EmbeddingGradients).
   """
-  with _tapping(None) as discovery:
-    jax.eval_shape(fun, params)
-  sites = dict(discovery.sites)
+  sites: dict[str, _Site] = {}
+
+  def discover(params):
+    with _tapping(None) as discovery:  # inside eval_shape's trace, as the loss runs
+      output = fun(params)
+    sites.update(discovery.sites)
+    return output
+
+  jax.eval_shape(discover, params)
   deltas = _zero_deltas(sites)
 
   def with_deltas(params, deltas):

@@ -53,7 +53,7 @@ class LinenSparseEmbed(nn.Module):
   its own rows, from the tables' initializers, so values do not depend on the
   layout.
 
-  Call the layer once per step, outside lifted transforms (`nn.scan`,
+  Call the layer once per step, outside lifted transforms (refused: `nn.scan`,
   `nn.vmap`, `nn.remat`); its input is the preprocessed batch (stack name ->
   StackBatch) for the layer's `plan.layout`.
 

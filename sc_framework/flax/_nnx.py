@@ -52,7 +52,7 @@ class NnxSparseEmbed(nnx.Module):
   Created by `init_embedding_variables` with a key from `rngs.params()`: each
   device computes only its own rows.
 
-  Call the layer once per step, outside NNX transforms (`nnx.scan`,
+  Call the layer once per step, outside NNX transforms (refused: `nnx.scan`,
   `nnx.vmap`, `nnx.remat`), with the preprocessed batch (stack name ->
   StackBatch) for its `plan.layout`; train with `make_nnx_train_step`.
 

@@ -155,3 +155,91 @@ def test_the_nnx_step_refuses_an_optimizer_that_holds_the_tables(wrt):
     step(model, optimizer, batch)
   model = _NnxModel(rngs=nnx.Rngs(0))
   step(model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param), batch)
+
+
+class _EmbedBlock(nn.Module):
+  @nn.compact
+  def __call__(self, batch):
+    return LinenSparseEmbed(ref.FEATURES, mesh=ref.mesh(1), name="embed")(batch)
+
+
+class _DenseBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(1, name="out")(nn.tanh(nn.Dense(ref.HIDDEN, name="hidden")(x)))[:, 0]
+
+
+class _Ranker(nn.Module):
+  """The embedding block, then the dense block (rematerialised if `remat_dense`)."""
+
+  remat_dense: bool = False
+
+  @nn.compact
+  def __call__(self, batch):
+    dense = nn.remat(_DenseBlock) if self.remat_dense else _DenseBlock
+    activations = _EmbedBlock(name="block")(batch)
+    return dense(name="head")(jnp.concatenate([activations[f.name] for f in ref.FEATURES], -1))
+
+
+def _squared_loss(apply, batch, labels):
+  return jnp.mean((apply(batch) - labels) ** 2)
+
+
+@pytest.mark.parametrize("transform", ["remat", "jit"])
+def test_a_linen_layer_inside_a_transform_of_the_loss_is_refused_by_name(transform):
+  """Under nn.remat the layer handed the step its transform's tracers: JAX then failed
+  when the step ran, with an UnexpectedTracerError naming neither the layer nor why."""
+  raw, labels = ref.raw_batch(3)
+
+  class Wrapped(nn.Module):
+    @nn.compact
+    def __call__(self, batch):
+      lifted = {"remat": nn.remat, "jit": nn.jit}[transform](_EmbedBlock)
+      activations = lifted(name="block")(batch)
+      return jnp.concatenate([activations[f.name] for f in ref.FEATURES], -1).sum(-1)
+
+  model, tx = Wrapped(), optax.sgd(0.1)
+  batch = ref.preprocessed(raw, LinenSparseEmbed(ref.FEATURES, mesh=ref.mesh(1)).plan.layout)
+  state = init_linen_train_state(model, tx, jax.random.key(0), batch)
+  step = make_linen_train_step(model, tx, _squared_loss)
+  with pytest.raises(ValueError, match=r"embedding layer 'block/embed' was called inside a"
+                                       r" transform of the loss .* dense part of the model only"):
+    step(state, batch, labels)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_remat_of_the_dense_part_trains_as_without_it(seed):
+  """The advice of the refusal above works: the same steps, the same values."""
+  raw_batches = [ref.raw_batch(10 * seed + k) for k in range(3)]
+  layout = LinenSparseEmbed(ref.FEATURES, mesh=ref.mesh(1)).plan.layout
+  batches = [(ref.preprocessed(raw, layout), labels) for raw, labels in raw_batches]
+  results = []
+  for remat_dense in (False, True):
+    model, tx = _Ranker(remat_dense), optax.adam(0.01)
+    state = init_linen_train_state(model, tx, jax.random.key(seed), batches[0][0])
+    step = make_linen_train_step(model, tx, _squared_loss)
+    losses = []
+    for batch, labels in batches:
+      state, loss = step(state, batch, labels)
+      losses.append(loss)
+    results.append((losses, state.embedding))
+  (plain_losses, plain_tables), (remat_losses, remat_tables) = results
+  assert_close(np.array(remat_losses), np.array(plain_losses), terms=ref.TERMS, steps=3)
+  ref.assert_trees_close(remat_tables, plain_tables, steps=3)
+
+
+def test_an_nnx_layer_inside_nnx_remat_is_refused_by_name():
+  model = _NnxModel(rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+  raw, labels = ref.raw_batch(0)
+  batch = ref.preprocessed(raw, model.embed.plan.layout)
+
+  def loss_fn(model, batch, labels):
+    activations = nnx.remat(lambda embed, batch: embed(batch))(model.embed, batch)
+    x = jnp.concatenate([activations[f.name] for f in ref.FEATURES], -1)
+    return jnp.mean((model.out(x)[:, 0] - labels) ** 2)
+
+  step = make_nnx_train_step(loss_fn)
+  with pytest.raises(ValueError, match=r"embedding layer NnxSparseEmbed was called inside a"
+                                       r" transform of the loss"):
+    step(model, optimizer, batch, labels)
