@@ -32,7 +32,7 @@ import warnings
 import jax
 from etils import epath
 
-from checkpoint import _integrity, _steps
+from checkpoint import _integrity, _steps, _storage
 from checkpoint._chain import ChainReader, open_reader
 from checkpoint._convert import REPLACED_SUFFIX, ConversionProgress, convert
 from checkpoint._errors import NotACheckpointError
@@ -60,7 +60,7 @@ def compact(step_dir: epath.PathLike, *, progress: ConversionProgress | None = N
     NotACheckpointError: `step_dir` holds no embedding item.
     BrokenChainError: a link of its chain is missing or damaged.
   """
-  step_dir = epath.Path(step_dir)
+  step_dir = _storage.as_path(step_dir, "compact step directory")
   _finish(step_dir)
   item = find_item(step_dir)
   if item is None or (step_dir / MANIFEST_FILE).exists():

@@ -189,7 +189,8 @@ def convert(
     raise ValueError(f"host_memory must be 'system' or 'return', got {host_memory!r}.")
   if host_memory == "return":
     return_freed_memory()
-  src, dst = epath.Path(src), epath.Path(dst)
+  src = _storage.as_path(src, "convert source")
+  dst = _storage.as_path(dst, "convert destination")
   _storage.check_local_path(dst)
   if _integrity.is_link(dst):
     raise ValueError(
@@ -218,6 +219,15 @@ def convert(
   save_id = _converted_save_id(reader, src if item is None else item, table_dtype)
   if item is not None and item != src:
     _check_dependent_deltas(dst, item.name, _converted_states(reader, table_dtype), save_id)
+  elif storage.checksum == "none":
+    warnings.warn(
+        f"{dst} is written as an embedding item outside any step with checksum='none': nothing"
+        " will check its values when they are read (a step's integrity manifest checks a step's"
+        " files; a bare item has only its chunks' checksums). Keep the crc32c checksum, or"
+        " convert the whole step directory.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
   tmp = _fresh_temporary_directory(dst)
   try:
     if item is not None and item != src:
@@ -286,8 +296,10 @@ def _check_dependent_deltas(dst: epath.Path, item_name: str, states: dict,
   """
   if not dst.exists():
     return
-  for deltas in dependent_deltas(dst, item_name):
-    steps = sorted(int(delta.directory.parent.name) for delta in deltas)
+  chains = dependent_deltas(dst, item_name)
+  # Every later delta whose chain reads dst, not only the chain found failing.
+  steps = sorted({int(delta.directory.parent.name) for deltas in chains for delta in deltas})
+  for deltas in chains:
     advice = (" Convert into another directory instead (or convert the newest step, which"
               " reads as its whole chain).")
     try:
@@ -420,6 +432,33 @@ def check_destination(src: epath.Path, dst: epath.Path) -> None:
           " (and overwrite) it is converted in place."
       )
   _check_step_name(src, dst)
+  _check_replaceable(src, dst)
+
+
+def _check_replaceable(src: epath.Path, dst: epath.Path) -> None:
+  """Raises unless an existing `dst` is what a conversion may replace: the
+  source itself, an empty directory, or a checkpoint of the output's kind (a
+  step directory for a step's conversion, an embedding item for an item's).
+  Anything else -- a checkpoints root, another folder, a file -- would be
+  deleted whole by the replacement.
+  """
+  if not dst.exists() or _absolute(dst) == _absolute(src):
+    return
+  if dst.is_dir() and not any(dst.iterdir()):
+    return
+  output_is_item = (src / MANIFEST_FILE).exists()
+  if dst.is_dir() and ((dst / MANIFEST_FILE).exists() if output_is_item
+                       else _integrity.holds_a_save(dst)):
+    return
+  kind = "an embedding item" if output_is_item else "a checkpoint step directory"
+  found = ("a file" if not dst.is_dir() else
+           "a directory holding " + ", ".join(sorted(p.name for p in dst.iterdir())[:5]))
+  raise FileExistsError(
+      f"{dst} is {found}, not {kind}: a conversion replaces only a checkpoint of the kind it"
+      f" writes ({kind}, as the source {src} is) or an empty directory, and would delete"
+      " everything there. Choose another destination, or remove it yourself if it is meant to"
+      " go."
+  )
 
 
 def _check_step_name(src: epath.Path, dst: epath.Path) -> None:

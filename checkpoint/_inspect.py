@@ -19,6 +19,7 @@ from checkpoint import _integrity
 from checkpoint._integrity import is_link
 from checkpoint._optimizers import common_name
 from checkpoint._steps import manifest_problem
+from checkpoint._storage import as_path
 
 _TMP_MARK = ".orbax-checkpoint-tmp"
 
@@ -118,7 +119,7 @@ def inspect(path: epath.PathLike) -> dict[str, Any]:
   Raises:
     NotACheckpointError: the path is none of these.
   """
-  path = epath.Path(path)
+  path = as_path(path, "inspect path")
   if not path.exists():
     raise NotACheckpointError(f"{path} does not exist.")
   if (path / MANIFEST_FILE).exists():

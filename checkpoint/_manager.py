@@ -140,7 +140,7 @@ class CheckpointManager:
           f"embedding_item {embedding_item!r} is reserved by Orbax; pick another name."
       )
     self._embedding_item = embedding_item
-    self._directory = epath.Path(directory)
+    self._directory = _storage.as_path(directory, "CheckpointManager directory")
     if not self._directory.is_absolute():  # Orbax needs absolute paths with several processes
       self._directory = self._directory.resolve()
     _storage.check_local_path(self._directory)  # Before anything is written there.

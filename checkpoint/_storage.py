@@ -150,6 +150,33 @@ def context() -> ts.Context:
   return _CONTEXT
 
 
+def as_path(value: epath.PathLike, what: str = "path") -> epath.Path:
+  """`value` as an etils path; a file:///... URL becomes the local path it names.
+
+  Raises:
+    ValueError: a URL of a scheme etils has no handler for (etils itself
+      raises a bare KeyError of the scheme), or a file:// URL that names no
+      absolute local path; the message names `what` and the value.
+  """
+  text = os.fspath(value)
+  if text.startswith("file://"):
+    local = text[len("file://"):]
+    if not local.startswith("/"):
+      raise ValueError(
+          f"{what} {text!r}: a file:// URL must name an absolute local path, as"
+          " file:///data/checkpoints; or pass the local path itself."
+      )
+    return epath.Path(local)
+  try:
+    return epath.Path(value)
+  except KeyError:
+    scheme = text.partition("://")[0]
+    raise ValueError(
+        f"{what} {text!r}: etils.epath has no handler for {scheme}:// paths. Pass a local path,"
+        " or a gs:// or s3:// URL (with that filesystem's package installed)."
+    ) from None
+
+
 def kvstore_spec(path: epath.PathLike) -> dict:
   """The TensorStore key-value store of a directory (local, gs:// or s3://)."""
   text = os.fspath(path)

@@ -46,7 +46,7 @@ def verify(path: epath.PathLike) -> list[Problem]:
   Raises:
     CheckpointError: the path does not exist.
   """
-  path = epath.Path(path)
+  path = _storage.as_path(path, "verify path")
   if _integrity.is_link(path):
     return [Problem("error", path, "is a symbolic link; nothing is read through one")]
   if not path.exists():
@@ -248,7 +248,7 @@ def adopt_step(step_dir: epath.PathLike) -> list[Problem]:
   Raises:
     CheckpointError: the path is not a step directory.
   """
-  step_dir = epath.Path(step_dir)
+  step_dir = _storage.as_path(step_dir, "adopt step directory")
   if _integrity.is_link(step_dir) or not step_dir.is_dir() or not _STEP.match(step_dir.name):
     raise CheckpointError(
         f"{step_dir} is not a step directory (a real directory named by its step number);"

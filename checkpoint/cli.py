@@ -50,7 +50,7 @@ from checkpoint._layouts import layout_for_tables, parse_groups, relayout
 from checkpoint._reader import CheckpointReader, find_item
 from checkpoint._source import verify_source
 from checkpoint._steps import warn_skipped
-from checkpoint._storage import StorageOptions
+from checkpoint._storage import StorageOptions, as_path
 from checkpoint._verify import adopt_step, verify
 from sc_framework.cli_types import integer_at_least
 from sc_framework.stacking import EmbeddingLayout
@@ -205,7 +205,7 @@ def _target(args: argparse.Namespace, reader: CheckpointReader):
     )
   base = reader.layout
   if args.layout:
-    path = epath.Path(args.layout)
+    path = as_path(args.layout, "--layout")
     if not path.exists():
       raise ValueError(f"--layout {path}: no such file.")
     try:
@@ -276,7 +276,7 @@ def _source(path: str, quiet: bool) -> epath.Path:
   Raises:
     NotACheckpointError: `path` is none of these (with a hint for a workdir).
   """
-  src = epath.Path(path)
+  src = as_path(path, "SRC")
   if (src / MANIFEST_FILE).exists() or find_item(src) is not None:
     return src
   try:
@@ -299,7 +299,7 @@ def _source(path: str, quiet: bool) -> epath.Path:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-  path = epath.Path(args.path)
+  path = as_path(args.path, "PATH")
   try:
     info = inspect(path)
   except NotACheckpointError as error:
@@ -310,12 +310,12 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _convert(args: argparse.Namespace) -> int:
   src = _source(args.src, args.quiet)
-  if epath.Path(args.dst).exists() and not args.overwrite:
+  if as_path(args.dst, "DST").exists() and not args.overwrite:
     raise FileExistsError(
         f"{args.dst} already exists; choose another destination or pass --overwrite to replace"
         " it."
     )
-  check_destination(src, epath.Path(args.dst))  # Before anything is read or printed.
+  check_destination(src, as_path(args.dst, "DST"))  # Before anything is read or printed.
   item = src if (src / MANIFEST_FILE).exists() else find_item(src)
   # Sizes and small files (the layout read next) against the step's manifest
   # first; `convert` checks the rest.

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from etils import epath
 
 from checkpoint import IncrementalPolicy
+from checkpoint._storage import as_path
 from sc_framework._scalars import python_scalar, python_scalar_fields
 from sc_framework.preprocessing import PaddingId
 from sc_framework.primitives import EmbeddingBackend
@@ -158,8 +159,8 @@ class TrainerConfig:
     if unknown:
       raise ValueError(f"TrainerConfig.eval_metrics: unknown metrics {unknown}; known: ['auc'].")
     if self.workdir is not None:
-      workdir = epath.Path(self.workdir)
-      if "://" not in str(self.workdir):
+      workdir = as_path(self.workdir, "TrainerConfig.workdir")
+      if "://" not in str(workdir):
         # Orbax writes multi-process checkpoints only to absolute paths.
         workdir = epath.Path(os.path.abspath(workdir))
       object.__setattr__(self, "workdir", workdir)

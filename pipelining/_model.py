@@ -107,7 +107,8 @@ def as_dense_model(model, key: jax.Array, activations: dict[str, jax.Array], den
     def apply_linen(params, acts, dense_features):
       return model.apply({"params": params}, acts, dense_features)
 
-    return DenseModel(apply_linen, variables["params"], "linen")
+    # A model without parameters (e.g. a dot product of two towers) trains its tables alone.
+    return DenseModel(apply_linen, variables.get("params", {}), "linen")
   if isinstance(model, nnx.Module):
     layers = ["/".join(map(str, path)) or "the model" for path, module in nnx.iter_modules(model)
               if isinstance(module, NnxSparseEmbed)]

@@ -203,6 +203,14 @@ def test_convert_changes_the_table_dtype_rounding_to_nearest(saved, tmp_path):
         # Also into a new root, which a Trainer would then resume.
         (["convert", "{src}", "{tmp}/run2/checkpoints/7", "--num-devices", "2"],
          "is named as step 7, but the source is step 3"),
+        # A bare KeyError('file://') was printed as the whole message.
+        (["inspect", "sftp://host/run"], "PATH 'sftp://host/run': etils.epath has no handler"),
+        (["convert", "file://relative/run", "{tmp}/x", "--unstacked"],
+         "SRC 'file://relative/run': a file:// URL must name an absolute local path"),
+        # --overwrite deleted whatever was there.
+        (["convert", "{src}", "{root}", "--unstacked", "--overwrite"], "holds the source"),
+        (["convert", "{src}", "{tmp}", "--unstacked", "--overwrite"],
+         "w is a directory holding notes.txt, not a checkpoint step directory"),
         (["convert", "{src}", "{tmp}/x", "--groups", "a,b;c;nope;d"],  # it spoke of features
          "--groups names tables ['nope'], which the source does not hold; its tables:"
          " ['a', 'b', 'c', 'd']."),
@@ -216,7 +224,9 @@ def test_errors_exit_non_zero_with_a_message(saved, tmp_path, capsys, argv, mess
   names = dict(src=root / "3", tmp=tmp_path / "w", workdir=workdir, root=root)
   argv = [a.format(**names) for a in argv]
   (tmp_path / "w").mkdir()
+  (tmp_path / "w" / "notes.txt").write_text("precious")
   assert main(argv) == 1
+  assert (tmp_path / "w" / "notes.txt").read_text() == "precious"
   err = capsys.readouterr().err
   assert "error:" in err and message.format(**names) in err and err.count("\n") == 1, err
 
@@ -231,6 +241,13 @@ def test_bad_flags_give_one_line_naming_the_flag(argv, message, capsys):
   assert main(argv) == 2
   err = capsys.readouterr().err
   assert message in err and err.count("\n") == 1, err
+
+
+def test_file_urls_are_local_paths(saved, tmp_path, capsys):
+  model, _, root = saved
+  assert main(["inspect", f"file://{root}"]) == 0
+  assert main(["convert", f"file://{root}", f"file://{tmp_path / 'x'}", "--unstacked"]) == 0
+  _check(model, tmp_path / "x" / "embedding")
 
 
 def test_convert_of_a_root_takes_its_latest_step(saved, tmp_path, capsys):

@@ -213,7 +213,9 @@ def test_conversion_can_change_the_codecs(tmp_path):
   storage = ck.StorageOptions(
       compression="zstd", compression_level=3, checksum="none", chunk_bytes=2048
   )
-  ck.convert(tmp_path / "a", tmp_path / "z", layout, storage=storage)
+  with pytest.warns(RuntimeWarning, match=r"z is written as an embedding item outside any step"
+                                         r" with checksum='none': nothing will check"):
+    ck.convert(tmp_path / "a", tmp_path / "z", layout, storage=storage)
   assert ck.CheckpointReader(tmp_path / "z").manifest.storage == storage
   _check_tables(model, tmp_path / "z")
 
@@ -411,3 +413,50 @@ def test_a_corrupt_source_chunk_fails_the_conversion_and_leaves_nothing_behind(t
   with pytest.raises(ck.CorruptCheckpointError, match="fails its CRC32C"):
     ck.convert(tmp_path / "a", tmp_path / "b", target, block_bytes=256)
   assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
+
+
+def test_overwrite_replaces_only_a_checkpoint_of_the_kind_written_or_an_empty_directory(tmp_path):
+  """overwrite deleted whatever was at the destination: a folder of other files, another
+  run's whole checkpoints root, a plain file."""
+  model, layout = _saved(tmp_path / "a")
+  with ck.CheckpointManager(tmp_path / "run") as mngr:
+    tables, slots = model.state(layout)
+    mngr.save(3, ck.EmbeddingSave(tables, slots, layout, model.slot_specs(layout)))
+  folder = tmp_path / "notes"
+  folder.mkdir()
+  (folder / "notes.txt").write_text("precious")
+  (tmp_path / "file").write_text("precious")
+  refusals = [
+      (tmp_path / "a", folder, r"notes is a directory holding notes.txt, not an embedding item"),
+      (tmp_path / "a", tmp_path / "file", r"file is a file, not an embedding item"),
+      (tmp_path / "a", tmp_path / "run" / "3",
+       r"3 is a directory holding .*embedding.*, not an embedding item"),
+      (tmp_path / "run" / "3", tmp_path / "run", r"holds the source"),
+      (tmp_path / "run" / "3", folder, r"holding notes.txt, not a checkpoint step directory"),
+  ]
+  for src, dst, message in refusals:
+    with pytest.raises((FileExistsError, ValueError), match=message):
+      ck.convert(src, dst, "unstacked", overwrite=True)
+  assert (folder / "notes.txt").read_text() == (tmp_path / "file").read_text() == "precious"
+  assert ck.CheckpointManager(tmp_path / "run", read_only=True).all_steps() == [3]
+  (tmp_path / "empty").mkdir()
+  ck.convert(tmp_path / "a", tmp_path / "empty", "unstacked", overwrite=True)
+  ck.convert(tmp_path / "a", tmp_path / "empty", layout, overwrite=True)  # its own kind
+  _check_tables(model, tmp_path / "empty")
+
+
+def test_file_urls_name_local_paths_and_unknown_schemes_are_named(tmp_path):
+  """etils has no file:// handler: a file:// path failed with a bare KeyError('file://')."""
+  model, layout = _saved(tmp_path / "a")
+  ck.convert(f"file://{tmp_path / 'a'}", f"file://{tmp_path / 'b'}", "unstacked")
+  _check_tables(model, tmp_path / "b")
+  with ck.CheckpointManager(f"file://{tmp_path / 'run'}") as mngr:
+    tables, slots = model.state(layout)
+    mngr.save(1, ck.EmbeddingSave(tables, slots, layout, model.slot_specs(layout)))
+  assert ck.inspect(f"file://{tmp_path / 'run'}")["latest_step"] == 1
+  with pytest.raises(ValueError, match=r"convert source 'nfs://host/a': etils.epath has no"
+                                       r" handler for nfs:// paths"):
+    ck.convert("nfs://host/a", tmp_path / "c", "unstacked")
+  with pytest.raises(ValueError, match=r"CheckpointManager directory 'file://relative/run': a"
+                                       r" file:// URL must name an absolute local path"):
+    ck.CheckpointManager("file://relative/run")

@@ -489,7 +489,8 @@ def test_a_tracker_of_another_layout_is_refused_before_anything_is_written(tmp_p
 
 def test_a_chains_base_converted_in_place_must_keep_its_deltas_readable(tmp_path, capsys):
   """Converting step 0 in place to bfloat16 under float32 deltas would leave
-  steps 1 and 2 unrestorable: refused, step 0 untouched. Another layout keeps
+  steps 1 to 4 unrestorable: refused naming every one (not only the steps of the
+  first chain found), step 0 untouched. Another layout keeps
   the tables as the chain has them: converted. A base replaced behind the
   converter's back is named by verify."""
   model = make_model(SPECS, seed=14)
@@ -499,24 +500,24 @@ def test_a_chains_base_converted_in_place_must_keep_its_deltas_readable(tmp_path
   root = tmp_path / "run"
   with ck.CheckpointManager(root, keep_latest=10,
                             incremental=ck.IncrementalPolicy(max_delta_share=1.0)) as mngr:
-    for step in range(3):
+    for step in range(5):
       if step:
         touch_rows(model, layout, tracker, rng, 0.2)
       _save(mngr, step, model, layout, tracker)
   expected = {name: table.copy() for name, table in model.logical.items()}
 
   def newest():
-    return ck.EmbeddingCheckpointHandler().restore(root / "2" / "embedding", ck.TableRestore())
+    return ck.EmbeddingCheckpointHandler().restore(root / "4" / "embedding", ck.TableRestore())
 
   manifest = (root / "0" / "integrity.json").read_text()
   with pytest.raises(ValueError, match=r"converting .*/0 in place would break the delta steps"
-                     r" \[1, 2\].*dtype float32 but its base .* has bfloat16"):
+                     r" \[1, 2, 3, 4\].*dtype float32 but its base .* has bfloat16"):
     ck.convert(root / "0", root / "0", layout, table_dtype="bfloat16", overwrite=True)
   assert (root / "0" / "integrity.json").read_text() == manifest
-  assert sorted(os.listdir(root)) == ["0", "1", "2"]  # refused before anything was written
+  assert sorted(os.listdir(root)) == ["0", "1", "2", "3", "4"]  # refused, nothing written
   assert cli.main(["convert", str(root / "0"), str(root / "0"), "--overwrite", "--quiet",
                    "--table-dtype", "bfloat16", "--groups", "same"]) == 1
-  assert "would break the delta steps [1, 2]" in capsys.readouterr().err
+  assert "would break the delta steps [1, 2, 3, 4]" in capsys.readouterr().err
   for name, table in newest().tables.items():
     assert_same_bits(table, expected[name], err_msg=name)
 

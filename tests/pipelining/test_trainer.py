@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 from flax import linen as nn
+from flax import nnx
 
 from pipelining import Callback, Trainer
 from sc_framework import FeatureSpec, TableSpec
@@ -479,3 +480,65 @@ def test_batches_without_dense_features_name_the_missing_entry_when_the_model_re
   sparse_only = Trainer(SparseOnly(), make_specs(SGD(SPARSE_LR)), mse, optax.sgd(DENSE_LR),
                         mesh=mesh_of(1), progress="off", padding_id=-1)
   assert sparse_only.fit(batches).final_step == 2
+
+
+class _LinenDot(nn.Module):
+  """prediction_b = <a_fa[b], a_fb[b]>: a model without dense parameters."""
+
+  @nn.compact
+  def __call__(self, activations, dense):
+    return jnp.sum(activations["fa"] * activations["fb"], axis=1)
+
+
+class _NnxDot(nnx.Module):
+  def __call__(self, activations, dense):
+    return jnp.sum(activations["fa"] * activations["fb"], axis=1)
+
+
+def _dot_reference(tables, batches):
+  """float64 SGD on the tables of the dot model under the mean squared error."""
+  tables = {name: table.astype(np.float64) for name, table in tables.items()}
+  losses = []
+  for batch in batches:
+    fa, fb = batch["sparse"]["fa"], batch["sparse"]["fb"]
+    a = np.stack([tables["a"][row[row >= 0]].sum(0) for row in fa])
+    b = tables["b"][fb].sum(1)
+    residual = (a * b).sum(1) - batch["labels"]
+    losses.append(np.mean(residual ** 2))
+    grad = 2 * residual[:, None] / len(residual)
+    grad_a, grad_b = np.zeros_like(tables["a"]), np.zeros_like(tables["b"])
+    for sample, row in enumerate(fa):
+      np.add.at(grad_a, row[row >= 0], grad[sample] * b[sample])
+    for sample, row in enumerate(fb):
+      np.add.at(grad_b, row, grad[sample] * a[sample])
+    tables = {"a": tables["a"] - SPARSE_LR * grad_a, "b": tables["b"] - SPARSE_LR * grad_b}
+  return tables, losses
+
+
+@pytest.mark.parametrize("devices", [1, 8])
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_a_model_without_dense_parameters_trains_its_tables_and_resumes(api, devices, tmp_path):
+  """A dot product of two towers has no dense parameters: the Trainer once raised a bare
+  KeyError: 'params' for it (Linen)."""
+  specs = make_specs(SGD(SPARSE_LR))[:2]
+  batches = [dict(b, sparse={k: b["sparse"][k] for k in ("fa", "fb")})
+             for b in make_batches(4, seed=devices)]
+
+  def trainer():
+    model = _LinenDot() if api == "linen" else _NnxDot()
+    return Trainer(model, specs, mse, optax.sgd(DENSE_LR), mesh=mesh_of(devices),
+                   pipelining=False, progress="off", padding_id=-1, workdir=tmp_path,
+                   eval_metrics=())
+
+  first = trainer()
+  first.initialize(batches[0])
+  initial = logical_tables(first)
+  history = first.fit(batches[:2])
+  resumed = trainer()
+  history_after = resumed.fit(batches)
+  assert history_after.resumed_from == 2
+  expected_tables, expected_losses = _dot_reference(initial, batches)
+  losses = [m["loss"] for m in history.metrics + history_after.metrics]
+  assert_close(losses, expected_losses, terms=BATCH * 4, steps=4)
+  for name, table in logical_tables(resumed).items():
+    assert_close(table, expected_tables[name], terms=BATCH * 4, steps=4, err_msg=name)
