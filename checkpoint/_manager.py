@@ -206,6 +206,11 @@ class CheckpointManager:
     return self._directory
 
   @property
+  def embedding_item(self) -> str:
+    """The item name of the embedding tables in each step directory."""
+    return self._embedding_item
+
+  @property
   def orbax_manager(self) -> ocp.CheckpointManager:
     """The wrapped Orbax manager (for what this wrapper does not expose)."""
     return self._manager

@@ -46,6 +46,7 @@ from checkpoint import (
     SlotMismatchError,
     UpdatedRows,
     batch_rows,
+    open_reader,
 )
 from pipelining._in_flight import FeatureInFlight, SavedInFlight, rows_shapes
 from pipelining._steps import DeviceBatch, TrainState
@@ -286,6 +287,7 @@ class TrainerCheckpoints:
       or a layout-specific in-flight batch written for another layout.
     """
     meta = self.read_meta(step)
+    self._check_no_table_left_out(step)
     template = self._in_flight_template(step, meta, in_flight_template)
     state, restored = self._restore_items(step, state_template, template)
     in_flight = None
@@ -302,6 +304,23 @@ class TrainerCheckpoints:
       if isinstance(in_flight, FeatureInFlight):
         self.track(in_flight.batch.sparse)
     return state, in_flight, meta.get("data") or {}
+
+  def _check_no_table_left_out(self, step: int) -> None:
+    """Refuses to resume training without tables the checkpoint holds: the saves that
+    follow would not keep them, and once the older steps are removed their trained rows
+    would be lost. (A table the checkpoint lacks is refused by the restore itself.)"""
+    stored = open_reader(self.directory / str(step) / self._manager.embedding_item).table_names
+    left_out = sorted(set(stored) - set(self._plan.layout.table_names))
+    if left_out:
+      raise IncompatibleCheckpointError(
+          f"checkpoint step {step} in {self.directory} holds the tables {left_out}, which the"
+          " Trainer's feature specs do not use: training on would save checkpoints without"
+          " them, and their trained rows would be lost once the older steps are removed."
+          " Give the Trainer the feature specs of every table of the checkpoint (evaluate"
+          " and predict read it without them). To drop tables on purpose, train in a new"
+          " workdir started from this one's rows (Trainer.table_values, slot_values and"
+          " replace_tables)."
+      )
 
   def restore_state(self, step: int, state_template: TrainState) -> TrainState:
     """Only the train state of step `step` (for evaluate and predict), in the plan's layout."""

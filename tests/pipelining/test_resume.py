@@ -767,3 +767,26 @@ def test_a_padding_id_of_numpy_integers_is_an_int():
                     padding_id={"fa": np.array(-1), "fb": np.int64(7), "fa2": None})
   assert trainer.config.padding_id == {"fa": -1, "fb": 7, "fa2": None}
   assert type(trainer.config.padding_id["fa"]) is int
+
+
+@pytest.mark.parametrize("pipelining", [False, True])
+def test_resuming_without_a_table_of_the_checkpoint_is_refused_naming_it(tmp_path, pipelining):
+  """A Trainer without table 'c' resumed and trained on: its saves lacked 'c', whose trained
+  rows were gone once the older steps were removed (an added table was refused, a removed
+  one silently dropped)."""
+  from sc_framework import FeatureSpec, TableSpec
+  from checkpoint import CheckpointManager, IncompatibleCheckpointError, TableRestore
+  specs = make_specs(SGD(0.3))
+  table_c = TableSpec("c", 16, 4, optimizer=SGD(0.3))
+  batches = make_batches(3, seed=4)
+  with_c = [dict(b, sparse=dict(b["sparse"], fc=b["sparse"]["fb"] % 16)) for b in batches]
+  make_trainer(tmp_path, pipelining, specs + [FeatureSpec("fc", table_c, (8, 2))]).fit(with_c)
+  trainer = make_trainer(tmp_path, pipelining, specs)
+  with pytest.raises(IncompatibleCheckpointError,
+                     match=r"step 3 .* holds the tables \['c'\], which the Trainer's feature"
+                           r" specs do not use.*replace_tables"):
+    trainer.fit(batches)
+  assert np.isfinite(trainer.predict(batches[:1])).all()  # reading the checkpoint is fine
+  with CheckpointManager(tmp_path / "checkpoints", read_only=True) as manager:
+    assert manager.all_steps() == [1, 2, 3]
+    assert sorted(manager.restore(3, TableRestore())["embedding"].tables) == ["a", "b", "c"]
