@@ -11,7 +11,8 @@ atomically):
               dense features, labels and the raw ids);
   meta        JSON: format, step, data position, mode, whether in_flight
               exists and its ids' widths ("in_flight_ids": feature ->
-              {"width", "weights"}).
+              {"width", "weights", "table", "combiner"}: the last two say how
+              its activations were looked up; older checkpoints lack them).
 
 Formats. "sc_framework.trainer/2" (written now) resumes on any device count,
 shards per device, stacking and process count. "sc_framework.trainer/1"
@@ -240,8 +241,10 @@ class TrainerCheckpoints:
         ),
     }
     if isinstance(in_flight, SavedInFlight):
+      specs = {spec.name: spec for spec in self._plan.feature_specs}
       meta["in_flight_ids"] = {
-          name: {"width": int(entry["ids"].shape[1]), "weights": "weights" in entry}
+          name: {"width": int(entry["ids"].shape[1]), "weights": "weights" in entry,
+                 **_looked_up_as(specs[name])}
           for name, entry in in_flight.ids.items()}
       items["in_flight"] = ocp.args.StandardSave(in_flight._asdict())
     elif in_flight is not None:
@@ -388,6 +391,8 @@ class TrainerCheckpoints:
             f" features {saved}, but the Trainer has the features {expected}. Resume with the"
             " feature specs the checkpoint was written with."
         )
+      _check_looked_up_alike(step, self.directory, meta["in_flight_ids"],
+                             self._plan.feature_specs)
       replicated = NamedSharding(self._plan.mesh, PartitionSpec())
       return SavedInFlight(
           example.activations, example.batch.dense, example.batch.labels,
@@ -408,3 +413,33 @@ class TrainerCheckpoints:
 
   def close(self) -> None:
     self._manager.close()
+
+
+def _looked_up_as(spec) -> dict[str, str]:
+  """What an in-flight feature's saved activations depend on besides the rows."""
+  return {"table": spec.table.name, "combiner": spec.table.combiner}
+
+
+def _check_looked_up_alike(step: int, directory: epath.Path,
+                           saved: dict[str, dict[str, Any]], specs) -> None:
+  """Refuses an in-flight batch whose activations another table or combiner gave.
+
+  Its activations were looked up before the checkpoint and are applied as they
+  are by the first resumed step, whose update then follows the new specs: that
+  step would mix the two silently.
+  """
+  changed = []
+  for spec in specs:
+    recorded = {key: saved[spec.name][key] for key in ("table", "combiner")
+                if key in saved[spec.name]}
+    now = {key: value for key, value in _looked_up_as(spec).items() if key in recorded}
+    if recorded != now:
+      changed.append(f"feature {spec.name!r}: {recorded} then, {now} now")
+  if changed:
+    raise IncompatibleCheckpointError(
+        f"checkpoint step {step} in {directory} holds an in-flight batch whose activations"
+        f" were looked up otherwise ({'; '.join(changed)}); the first resumed step would apply"
+        " them under the new specs. Resume with the feature specs the checkpoint was written"
+        " with; change them at a checkpoint without a batch in flight (one written with"
+        " pipelining off, or by a fit that ran to the end of its data)."
+    )

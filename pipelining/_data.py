@@ -156,6 +156,14 @@ class DataStream:
     if position is not None and hasattr(iterator, "set_state"):
       iterator.set_state(decode_position(position))
       return iterator
+    if iterator is self._data and hasattr(iterator, "set_state"):
+      raise ValueError(
+          f"cannot resume the data at batch {batches_consumed}: train_data is a one-shot"
+          " iterator, and the checkpoint holds no iterator state for its set_state() (it was"
+          " written while training on data without get_state(), e.g. a list). Pass the data"
+          " the checkpoint was written with, or a re-iterable (a list, or an object whose"
+          " __iter__ starts over), which resumes by skipping the batches consumed."
+      )
     if iterator is self._data:
       raise ValueError(
           f"cannot resume the data at batch {batches_consumed}: train_data is a one-shot"

@@ -133,10 +133,11 @@ class FitStream:
     self._fit_data.hand_on(self._train_data, self._epochs, self._prefetcher, self._unapplied(),
                            interrupted=True, data_ended=self._data_ended, keep_stream=keep)
 
-  def close(self) -> None:
+  def close(self, *, aborted: bool = False) -> None:
     """Stops the prefetch thread, waiting boundedly: it may be stuck in the user's iterator.
 
-    A second Ctrl-C may interrupt the wait (`pipelining._signals`). A fit
+    After an abort (`aborted`: a second Ctrl-C, `pipelining._signals`) it
+    does not wait at all. A fit
     that ends before its loop started (nothing to fit, an error) trained
     nothing: what the last fit handed on still holds for the next fit,
     except a carried stream this fit took batches from (the next fit then
@@ -149,4 +150,4 @@ class FitStream:
         self._fit_data.consume()
       elif self._took_carried_stream:
         self._fit_data.drop_carry()
-    self._prefetcher.close()
+    self._prefetcher.close(wait_s=0.0 if aborted else 10.0)

@@ -251,23 +251,24 @@ class Prefetcher:
       raise item.error
     return item
 
-  def close(self) -> None:
+  def close(self, *, wait_s: float = 10.0) -> None:
     """Stops the background thread (pending prepared batches are discarded).
 
-    Waits up to 10 s for it (it may be inside the iterator), on the first
-    call only: a thread stuck there is not waited for twice. Called on one
-    of the Prefetcher's own threads, it waits for none of them.
+    Waits up to `wait_s` seconds for it (it may be inside the iterator), on
+    the first call only: a thread stuck there is not waited for twice. An
+    abort (a second Ctrl-C) passes 0. Called on one of the Prefetcher's own
+    threads, it waits for none of them.
     """
-    self._stop_thread()
+    self._stop_thread(wait_s)
     if self._pool is not None:  # batches not started are dropped; running ones end
       self._pool.shutdown(wait=not self._on_own_thread(), cancel_futures=True)
 
-  def _stop_thread(self) -> None:
-    """Stops the pulling thread, waiting up to 10 s for it on the first call only."""
+  def _stop_thread(self, wait_s: float = 10.0) -> None:
+    """Stops the pulling thread, waiting up to `wait_s` for it on the first call only."""
     self._stop.set()
     if not self._closed and not self._on_own_thread():
       self._closed = True
-      self._thread.join(timeout=10)
+      self._thread.join(timeout=wait_s)
 
   def close_and_keep(self) -> Remainder | None:
     """Stops the thread; returns what it took from the iterator and did not hand out.

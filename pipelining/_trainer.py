@@ -612,6 +612,12 @@ class Trainer:
         (none, one at step 0, or one evaluate adopted from a checkpoint): fit
         does not start over beside them (the message names the steps).
     """
+    if self._fitting:
+      raise RuntimeError(
+          "Trainer.fit during fit (from a callback): the running fit carries the state, the"
+          " data position and the checkpoints, which a second one would mix. Stop the running"
+          " fit (trainer.request_stop() in a callback, or early stopping) and call fit again"
+          " after it returns.")
     check_not_one_batch(train_data, "fit's train_data")
     check_not_one_batch(eval_data, "fit's eval_data")
     num_steps, epochs, eval_every = _fit_arguments(num_steps, epochs, eval_data, eval_every)
@@ -631,6 +637,7 @@ class Trainer:
         loop_data=lambda: None if self._loop is None else self._loop.data)
     previous_handlers = install_stop_handlers(self._stop_requested)
     progress = None
+    aborted = False  # a KeyboardInterrupt: the prefetch thread is not waited for
     self._fitting = True
     try:
       first = stream.next_batch()
@@ -665,6 +672,7 @@ class Trainer:
       history.final_step = int(self.state.step)
       return history
     except BaseException as error:
+      aborted = isinstance(error, KeyboardInterrupt)
       stream.hand_on_after_error(error)
       if isinstance(error, NonFiniteLossError):
         # The loop state is past the batch: it records the batch as skipped, as
@@ -676,12 +684,13 @@ class Trainer:
     finally:
       self._fitting = False
       try:
-        stream.close()
+        stream.close(aborted=aborted)
         history.dropped_ids = self._dropped_ids - dropped_before
         if progress is not None:
           progress.close()
-        for callback in callbacks:
-          callback.on_fit_end(self, history)
+        if not history.final_step:  # fit raised: the steps it applied count
+          history.final_step = _step_or_zero(self.state)
+        _each_fit_end(callbacks, self, history)
       finally:
         restore_handlers(previous_handlers)
 
@@ -1084,6 +1093,29 @@ def _checked_callbacks(callbacks: Sequence[Callback]) -> tuple[Callback, ...]:
           f" {missing}."
       )
   return tuple(callbacks)
+
+
+def _each_fit_end(callbacks: Sequence[Callback], trainer: Trainer, history: History) -> None:
+  """Calls every callback's on_fit_end, also after one of them raised; then raises the
+  first such error (each callback may hold something to release at the end)."""
+  first_error = None
+  for callback in callbacks:
+    try:
+      callback.on_fit_end(trainer, history)
+    except BaseException as error:  # noqa: BLE001 - re-raised below
+      first_error = first_error or error
+  if first_error is not None:
+    raise first_error
+
+
+def _step_or_zero(state: TrainState | None) -> int:
+  """The state's step, or 0 without a state or once its step was donated away."""
+  if state is None:
+    return 0
+  step = state.step
+  if isinstance(step, jax.Array) and step.is_deleted():
+    return 0
+  return int(step)
 
 
 def _per_sample(predictions: Any, batch_size: int, what: str) -> Any:

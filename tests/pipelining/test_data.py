@@ -88,3 +88,13 @@ def test_the_batch_read_ahead_keeps_the_position_before_it():
 def test_a_plain_list_resumed_past_its_length_is_refused():
   with pytest.raises(ValueError, match="cannot resume the data at batch 5: it holds only 3"):
     DataStream(["a", "b", "c"], batches_consumed=5)
+
+
+def test_a_one_shot_iterator_without_a_saved_state_is_told_what_is_missing():
+  """A checkpoint written while training on a list holds no iterator state: the message
+  said the iterator lacked get_state()/set_state(), which it had."""
+  with pytest.raises(ValueError, match=r"batch 2: train_data is a one-shot iterator, and the"
+                                       r" checkpoint holds no iterator state for its set_state"):
+    DataStream(Positioned(["a", "b", "c"]), batches_consumed=2, position=None)
+  with pytest.raises(ValueError, match=r"one-shot iterator without get_state\(\)/set_state\(\)"):
+    DataStream(iter(["a", "b", "c"]), batches_consumed=2)

@@ -790,3 +790,22 @@ def test_resuming_without_a_table_of_the_checkpoint_is_refused_naming_it(tmp_pat
   with CheckpointManager(tmp_path / "checkpoints", read_only=True) as manager:
     assert manager.all_steps() == [1, 2, 3]
     assert sorted(manager.restore(3, TableRestore())["embedding"].tables) == ["a", "b", "c"]
+
+
+def test_an_in_flight_batch_looked_up_with_another_combiner_is_refused(tmp_path):
+  """Its activations (summed) were applied by the first resumed step, whose update then
+  followed the new combiner (mean): one step mixed the two silently."""
+  import dataclasses
+  from checkpoint import IncompatibleCheckpointError
+  specs = make_specs(SGD(0.3))
+  batches = make_batches(5, seed=6)
+  make_trainer(tmp_path, True, specs).fit(batches, num_steps=3)  # batch 4 in flight
+  averaged = [dataclasses.replace(f, table=dataclasses.replace(f.table, combiner="mean"))
+              for f in specs]
+  with pytest.raises(IncompatibleCheckpointError,
+                     match=r"step 3 .* in-flight batch whose activations were looked up otherwise"
+                           r" \(feature 'fa': \{'table': 'a', 'combiner': 'sum'\} then,"
+                           r" \{'table': 'a', 'combiner': 'mean'\} now"):
+    make_trainer(tmp_path, True, averaged).fit(batches)
+  history = make_trainer(tmp_path, True, specs).fit(batches)  # the same specs resume
+  assert history.resumed_from == 3 and history.final_step == 5

@@ -542,3 +542,51 @@ def test_a_model_without_dense_parameters_trains_its_tables_and_resumes(api, dev
   assert_close(losses, expected_losses, terms=BATCH * 4, steps=4)
   for name, table in logical_tables(resumed).items():
     assert_close(table, expected_tables[name], terms=BATCH * 4, steps=4, err_msg=name)
+
+
+@pytest.mark.parametrize("pipelining", [False, True])
+def test_fit_from_a_callback_during_fit_is_refused(pipelining, tmp_path):
+  """The inner fit ran, saving checkpoints that mixed both data streams, and the outer one
+  then failed with "Array has been deleted"."""
+  trainer = Trainer(LinearHead(), make_specs(SGD(SPARSE_LR)), mse, optax.sgd(DENSE_LR),
+                    mesh=mesh_of(1), pipelining=pipelining, progress="off", padding_id=-1,
+                    eval_metrics=(), workdir=tmp_path, save_every=1)
+  batches = make_batches(4, seed=48)
+
+  class Nested(Callback):
+    def on_step_end(self, trainer, step, metrics):
+      if step == 2:
+        trainer.fit(make_batches(2, seed=49))
+
+  with pytest.raises(RuntimeError, match=r"Trainer.fit during fit \(from a callback\)"):
+    trainer.fit(batches, callbacks=[Nested()])
+  assert int(trainer.state.step) == 2
+  history = trainer.fit(batches)  # the same data goes on after the applied batches
+  assert history.final_step == 4
+
+
+def test_on_fit_end_gets_the_steps_applied_and_runs_for_every_callback_when_one_raises():
+  """A fit that raised gave on_fit_end final_step 0 although steps 1 to 3 were applied, and
+  an on_fit_end that raised kept the next callbacks' on_fit_end from running."""
+  trainer = Trainer(LinearHead(), make_specs(SGD(SPARSE_LR)), mse, optax.sgd(DENSE_LR),
+                    mesh=mesh_of(1), progress="off", padding_id=-1, eval_metrics=())
+  ends = []
+
+  class Raise(Callback):
+    def __init__(self, at_step=None, at_end=False):
+      self.at_step, self.at_end = at_step, at_end
+
+    def on_step_end(self, trainer, step, metrics):
+      if step == self.at_step:
+        raise ValueError(f"boom at {step}")
+
+    def on_fit_end(self, trainer, history):
+      ends.append((self, history.final_step))
+      if self.at_end:
+        raise KeyError("boom at the end")
+
+  first, second = Raise(at_step=3, at_end=True), Raise()
+  with pytest.raises(KeyError, match="boom at the end"):
+    trainer.fit(make_batches(5, seed=50), callbacks=[first, second])
+  assert ends == [(first, 3), (second, 3)]
+  assert int(trainer.state.step) == 3
