@@ -290,9 +290,9 @@ class TrainerCheckpoints:
       or a layout-specific in-flight batch written for another layout.
     """
     meta = self.read_meta(step)
-    self._check_no_table_left_out(step)
     template = self._in_flight_template(step, meta, in_flight_template)
     state, restored = self._restore_items(step, state_template, template)
+    self._check_no_table_left_out(step)  # once the step read as sound
     in_flight = None
     if template is not None and meta["format"] == FORMAT:
       tree = restored["in_flight"]

@@ -137,11 +137,10 @@ class FitStream:
     """Stops the prefetch thread, waiting boundedly: it may be stuck in the user's iterator.
 
     After an abort (`aborted`: a second Ctrl-C, `pipelining._signals`) it
-    does not wait at all. A fit
-    that ends before its loop started (nothing to fit, an error) trained
-    nothing: what the last fit handed on still holds for the next fit,
-    except a carried stream this fit took batches from (the next fit then
-    starts at the loop's data position). All of it is forgotten, as by a
+    does not wait at all. A fit that ends before its loop started (nothing
+    to fit, an error) trained nothing: what the last fit handed on still
+    holds for the next fit, except a carried stream this fit took batches
+    from (the next fit then starts at the loop's data position). All of it is forgotten, as by a
     fit that started, where the data ended (the next fit starts anew) or
     the loop state changed all the same (a checkpoint was restored).
     """
