@@ -52,8 +52,23 @@ def check_names(what: str, given: Iterable[str], expected: Iterable[str], kind: 
     )
 
 
+def check_not_in_shard_map(plan: EmbeddingPlan) -> None:
+  """Refuses a call inside a shard_map body: there every array is one device's block,
+  while the primitives take the global arrays and shard over `plan.mesh` themselves."""
+  get_abstract_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
+  manual = getattr(get_abstract_mesh(), "manual_axes", ()) if get_abstract_mesh else ()
+  if manual:
+    raise ValueError(
+        f"the embedding primitives were called inside shard_map (manual mesh axes"
+        f" {list(manual)}): they take the global tables and batch and shard them over the"
+        f" plan's mesh axis {plan.axis_name!r} themselves, with a shard_map of their own. Call"
+        " them outside shard_map (under jit is fine), on the global arrays."
+    )
+
+
 def check_tables(plan: EmbeddingPlan, tables: Mapping[str, Any], what: str = "tables") -> None:
-  """Every stack's table is present and shaped [V_s, D']."""
+  """Every stack's table is present and shaped [V_s, D'] (outside any shard_map)."""
+  check_not_in_shard_map(plan)
   if not isinstance(tables, Mapping):
     raise TypeError(f"{what} must map stack names to stacked tables, got {type(tables).__name__}.")
   check_names(what, tables, plan.layout.stack_names, "stacks",

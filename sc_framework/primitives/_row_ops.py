@@ -107,6 +107,23 @@ def _xla_segment_grads(grads, samples, unique_index, gains, num_unique):
 
 XLA_OPS = RowOps("xla", _xla_gather_rows, _xla_scatter_rows, _xla_combine_entries, _xla_segment_grads)
 
+
+def update_rows(ops: RowOps, optimizer: OptimizerSpec, table, slots, rows, step, row_dims,
+                row_grads):
+  """The generic optimizer update: gather -> `optimizer.apply` -> scatter.
+
+  Rows must be distinct; a row outside [0, R) (unused capacity) reads zeros
+  and its write is dropped. The rule runs in float32 at least: a bfloat16
+  table's rows are rounded once, when stored. Returns (table, slots).
+  """
+  wide = sum_dtype(table.dtype)
+  gathered = ops.gather_rows(table, rows).astype(wide)
+  slot_rows = {name: ops.gather_rows(value, rows) for name, value in slots.items()}
+  new_rows, new_slot_rows = optimizer.apply(gathered, row_grads.astype(wide), slot_rows, step,
+                                            row_dims)
+  return ops.scatter_rows(table, rows, new_rows), {
+      name: ops.scatter_rows(value, rows, new_slot_rows[name]) for name, value in slots.items()}
+
 _TARGETS = {
     "gather_rows": "sc_framework_gather_rows",
     "scatter_rows": "sc_framework_scatter_rows",
@@ -371,8 +388,8 @@ def _kernel_fused_update(optimizer, table, slots):
                                      for n in names):
     return None
 
-  def update(table, slots, rows, step, row_dims, *, row_grads=None, entries=None):
-    variant, grad_args = _gradient_args(row_grads, entries)
+  def kernel(table, slots, rows, step, row_dims, grad_args):
+    variant = "rows" if len(grad_args) == 1 else "entries"
     lr = optimizer.learning_rate_at(step)
     rule_values = jnp.stack([jnp.asarray(v, jnp.float32)
                              for v in rule.hyperparameters(optimizer, lr, step)])
@@ -380,10 +397,22 @@ def _kernel_fused_update(optimizer, table, slots):
     arrays = (table, *(slots[n] for n in names))
     outs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
     updated = jax.ffi.ffi_call(
-        _TARGETS[f"{rule.kernel}_step_{variant}"], outs,
+        _TARGETS[f"{rule.kernel}_step_{variant}"], outs, vmap_method="sequential",
         input_output_aliases={i: i for i in range(len(arrays))})(
         *arrays, rows.astype(jnp.int32), *grad_args, row_dims.astype(jnp.int32), hyper)
     return updated[0], dict(zip(names, updated[1:]))
+
+  def twin(table, slots, rows, step, row_dims, grad_args):
+    """The same update by XLA ops, whose derivatives the kernel's stand for."""
+    row_grads = grad_args[0] if len(grad_args) == 1 else _xla_segment_grads(
+        *grad_args, rows.shape[0])
+    return update_rows(XLA_OPS, optimizer, table, slots, rows, step, row_dims, row_grads)
+
+  differentiable = _differentiable(kernel, twin)
+
+  def update(table, slots, rows, step, row_dims, *, row_grads=None, entries=None):
+    _, grad_args = _gradient_args(row_grads, entries)
+    return differentiable(table, slots, rows, jnp.asarray(step), row_dims, grad_args)
 
   return update
 

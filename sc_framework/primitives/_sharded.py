@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec
 
 from sc_framework.preprocessing._batch import StackBatch
 from sc_framework.primitives._plan import EmbeddingPlan
-from sc_framework.primitives._row_ops import XLA_OPS, RowOps, sum_dtype
+from sc_framework.primitives._row_ops import XLA_OPS, RowOps, update_rows
 from sc_framework.primitives._state import EmbeddingVariables
 from sc_framework.stacking import StackLayout
 
@@ -188,18 +188,8 @@ def _local_update(
     return fused(table, slot_arrays, owned, step, _row_dims(stack, owned), row_grads=row_grads)
   # Unused capacity holds the sentinel S * R, outside the device's rows: their
   # gathers read zeros and their writes are dropped. Real rows are distinct.
-  # The rule runs in float32 at least (a bfloat16 table's rows are rounded once, when stored).
-  wide = sum_dtype(table.dtype)
-  rows = ops.gather_rows(table, owned).astype(wide)
-  slot_rows = {name: ops.gather_rows(value, owned) for name, value in slot_arrays.items()}
-  new_rows, new_slot_rows = optimizer.apply(
-      rows, row_grads.astype(wide), slot_rows, step, _row_dims(stack, owned)
-  )
-  table = ops.scatter_rows(table, owned, new_rows)
-  slot_arrays = {
-      name: ops.scatter_rows(value, owned, new_slot_rows[name]) for name, value in slot_arrays.items()
-  }
-  return table, slot_arrays
+  return update_rows(ops, optimizer, table, slot_arrays, owned, step, _row_dims(stack, owned),
+                     row_grads)
 
 
 def _lookup_program(plan: EmbeddingPlan, ops: RowOps, stack: StackLayout,

@@ -504,3 +504,24 @@ def test_an_initializer_may_return_numpy_or_another_dtype():
   variables = init_embedding_variables(plan, jax.random.key(0))
   (stack,) = variables.tables.values()
   assert stack.dtype == jnp.float32 and set(np.unique(np.asarray(stack))) == {0.0, 2.0}
+
+
+@pytest.mark.parametrize("update", [False, True])
+def test_a_call_inside_shard_map_is_refused_saying_to_call_outside(update):
+  """Inside shard_map each array is one device's block: the tables were said to "belong to
+  another layout", though they were the right ones."""
+  features = _features()
+  plan = _plan(features, num_devices=8)
+  variables = init_embedding_variables(plan, jax.random.key(0))
+  batch = _batch(features, plan)
+  rows = jax.sharding.PartitionSpec("devices")
+
+  def body(variables, batch):
+    if update:
+      return apply_embedding_gradients(plan, variables, batch, _grads(features), 0)
+    return embedding_lookup(plan, variables.tables, batch)
+
+  with pytest.raises(ValueError, match=r"called inside shard_map \(manual mesh axes"
+                                       r" \['devices'\]\).* Call them outside shard_map"):
+    jax.jit(jax.shard_map(body, mesh=plan.mesh, in_specs=rows, out_specs=rows))(variables,
+                                                                                 batch)

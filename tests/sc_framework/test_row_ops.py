@@ -271,6 +271,46 @@ def test_kernel_ops_have_the_xla_derivatives():
   jax.tree.map(lambda a, b: assert_close(a, b, terms=terms, steps=2), got, want)
 
 
+@pytest.mark.skipif(not cpu_kernels_available(), reason="the C++ CPU kernels were not built")
+@pytest.mark.parametrize("devices", [1, 8])
+@pytest.mark.parametrize("optimizer", [SGD(0.3), RowWiseAdagrad(0.2), Adam(0.05)],
+                         ids=lambda o: o.kind)
+def test_the_fused_update_vmaps_and_differentiates_as_the_xla_backend(devices, optimizer):
+  """jax.vmap of the update failed on the cpu backend (an FFI call without a vmap rule), and
+  jax.grad through it (a look-ahead loss) raised "cannot be differentiated"."""
+  table = TableSpec("a", 120, 8, optimizer=optimizer, max_ids_per_partition=256,
+                    max_unique_ids_per_partition=256)
+  specs = [FeatureSpec("x", table, (16, 3)), FeatureSpec("y", table, (16, 1))]
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("devices",))
+  plan = EmbeddingPlan.create(specs, mesh=mesh)
+  rng = np.random.default_rng(devices)
+  raw = {f.name: rng.integers(0, 120, f.input_shape) for f in specs}
+  batch, _ = preprocess(raw, specs, plan.layout)
+  variables = init_embedding_variables(plan, jax.random.key(1))
+  cotangents = [{f.name: jnp.asarray(rng.normal(size=f.output_shape), jnp.float32)
+                 for f in specs} for _ in range(2)]
+
+  def look_ahead(scale, backend):  # the loss after one update scaled by `scale`
+    grads = {k: scale * g for k, g in cotangents[0].items()}
+    updated = apply_embedding_gradients(plan, variables, batch, grads, 0, backend=backend)
+    return sum(jnp.sum(a ** 2) for a in embedding_lookup(plan, updated.tables, batch,
+                                                         backend=backend).values())
+
+  def updated_tables(grads, backend):
+    return apply_embedding_gradients(plan, variables, batch, grads, 0, backend=backend).tables
+
+  stacked = jax.tree.map(lambda *g: jnp.stack(g), *cotangents)
+  terms = 16 * 4
+  for backend in ("xla", "cpu"):
+    vmapped = jax.jit(jax.vmap(lambda g: updated_tables(g, backend)))(stacked)
+    for index, grads in enumerate(cotangents):
+      jax.tree.map(lambda a, b: assert_close(a[index], b, terms=terms), vmapped,
+                   updated_tables(grads, "xla"))
+  derivatives = {backend: jax.jit(jax.grad(lambda s: look_ahead(s, backend)))(1.0)
+                 for backend in ("xla", "cpu")}
+  assert_close(derivatives["cpu"], derivatives["xla"], terms=terms, steps=2)
+
+
 def test_broken_cpu_kernels_fall_back_with_a_warning(monkeypatch):
   pytest.importorskip("sc_framework.primitives._cpu_kernels")
   from sc_framework.primitives import _row_ops
