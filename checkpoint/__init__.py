@@ -58,7 +58,7 @@ from checkpoint._handler import (
 from checkpoint._incremental import IncrementalPolicy, SaveKind
 from checkpoint._inspect import format_description, inspect
 from checkpoint._layouts import layout_for_tables, relayout
-from checkpoint._manager import CheckpointManager
+from checkpoint._manager import CheckpointManager, check_can_save_under
 from checkpoint._reader import CheckpointReader
 from checkpoint._restore import TableArrays
 from checkpoint._rows_tracker import UpdatedRows, batch_rows
@@ -67,6 +67,7 @@ from checkpoint._storage import StorageOptions
 from checkpoint._verify import verify
 
 __all__ = [
+    "check_can_save_under",
     "EmbeddingCheckpointHandler",
     "EmbeddingSave",
     "EmbeddingRestore",

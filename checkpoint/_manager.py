@@ -145,7 +145,7 @@ class CheckpointManager:
       self._directory = self._directory.resolve()
     _storage.check_local_path(self._directory)  # Before anything is written there.
     if not read_only:
-      _check_orbax_can_save_under(self._directory)
+      check_can_save_under(self._directory)
     metric_fn = None
     if best_metric is not None:
       metric_fn = _nan_ranks_worst(
@@ -265,7 +265,7 @@ class CheckpointManager:
       if embedding is not None and isinstance(embedding, EmbeddingSave):
         embedding = self._incremental.args_for(step, embedding, updated_rows, save_kind)
       args = self._composite(embedding, items, EmbeddingSave)
-      _check_orbax_can_save_under(self._directory, list(args.keys()))
+      check_can_save_under(self._directory, list(args.keys()))
       if force or self._manager.should_save(step):
         self._set_aside_an_unrestorable_step(step)
         self._damaged.forget(step)
@@ -673,8 +673,12 @@ def _glob_misreads(path: str) -> list[str]:
           if part and ("*" in part or "?" in part or not fnmatch.fnmatchcase(part, part))]
 
 
-def _check_orbax_can_save_under(directory: epath.Path, item_names=()) -> None:
-  """Raises for a root or item name that Orbax's saves would never finish.
+def check_can_save_under(directory: epath.PathLike, item_names=()) -> None:
+  """Raises ValueError for a root or item name that Orbax's saves would never finish.
+
+  A CheckpointManager checks its directory so when it is made; a program can
+  check a directory it is given the same way first (examples/dlrm.py checks
+  its --workdir flag).
 
   Orbax finds the per-process parts of a dense (OCDBT) item with a glob
   pattern below the item's path; a name like 'exp[1]' reads as a pattern

@@ -206,8 +206,23 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     return action.help if action.default is None else super()._get_help_string(action)
 
 
+def _workdir_flag(text: str) -> str:
+  """A workdir (`workdir_path`) whose checkpoints Orbax can save: no glob characters."""
+  from sc_framework.cli_types import workdir_path
+
+  text = workdir_path(text)
+  if text:
+    from checkpoint import check_can_save_under
+
+    try:
+      check_can_save_under(os.path.join(text, "checkpoints"))
+    except ValueError as error:
+      raise argparse.ArgumentTypeError(str(error)) from None
+  return text
+
+
 def _parser() -> argparse.ArgumentParser:
-  from sc_framework.cli_types import integer_at_least, positive_float, workdir_path
+  from sc_framework.cli_types import integer_at_least, positive_float
 
   parser = _Parser(prog="dlrm.py", description=__doc__.split("\n\n")[0], allow_abbrev=False,
                    formatter_class=_HelpFormatter)
@@ -226,7 +241,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="steps between evaluations during training (and one at the end)")
   parser.add_argument("--pipelining", action=argparse.BooleanOptionalAction, default=True,
                       help="overlap the embedding lookup of the next batch with the dense step")
-  parser.add_argument("--workdir", type=workdir_path, default="dlrm_workdir",
+  parser.add_argument("--workdir", type=_workdir_flag, default="dlrm_workdir",
                       help="checkpoints, metrics.jsonl and the plot; '' disables them")
   parser.add_argument("--save-every", type=positive, default=100,
                       help="steps between checkpoints (with a workdir; one also at the end)")

@@ -63,7 +63,12 @@ from pipelining._signals import install_stop_handlers, restore_handlers
 from pipelining._steps import DeviceBatch, InFlight, StepFunctions, TrainState
 from sc_framework._scalars import python_scalar
 from sc_framework.host_allocator import keep_freed_memory
-from sc_framework.preprocessing import PartitionOverflowError, kept_id_masks, preprocess
+from sc_framework.preprocessing import (
+    PartitionOverflowError,
+    kept_id_masks,
+    preprocess,
+    stack_capacities,
+)
 from sc_framework.primitives import (
     DEFAULT_AXIS_NAME,
     EmbeddingPlan,
@@ -290,14 +295,9 @@ class Trainer:
           devices=self._local_devices,
       )
     except PartitionOverflowError as error:  # Its advice names preprocess's options.
-      raise error.with_advice(
-          f"Raise the tables' max_ids_per_partition to at least"
-          f" {error.needed.max_ids_per_partition} and max_unique_ids_per_partition to at least"
-          f" {error.needed.max_unique_ids_per_partition} (size_limits_from_stats computes them"
-          " from a few batches),"
-          " or pass allow_id_dropping=True to the Trainer to drop the excess ids"
-          " deterministically (counted in trainer.dropped_ids)."
-      ) from None
+      raise error.with_advice(_overflow_advice(
+          error, stack_capacities(self.plan.feature_specs, self.plan.layout)[error.stack],
+          [table.name for table in self.plan.layout.stack(error.stack).tables])) from None
     if stats.num_dropped_ids:
       self._count_dropped(stats)
     return batch, stats.num_dropped_ids
@@ -1093,6 +1093,19 @@ def _checked_callbacks(callbacks: Sequence[Callback]) -> tuple[Callback, ...]:
           f" {missing}."
       )
   return tuple(callbacks)
+
+
+def _overflow_advice(error: PartitionOverflowError, limits, tables: list[str]) -> str:
+  """The Trainer's advice for a partition overflow: the limits that were exceeded only."""
+  raise_ = [f"{name} to at least {needed}" for name, needed, limit in (
+      ("max_ids_per_partition", error.needed.max_ids_per_partition,
+       limits.max_ids_per_partition),
+      ("max_unique_ids_per_partition", error.needed.max_unique_ids_per_partition,
+       limits.max_unique_ids_per_partition)) if needed > limit]
+  return (f"Raise the {' and '.join(raise_)} on the stack's tables {tables} (with headroom for"
+          " burstier batches: size_limits_from_stats(..., headroom=1.2) computes them from a"
+          " few batches), or pass allow_id_dropping=True to the Trainer to drop the excess"
+          " ids deterministically (counted in trainer.dropped_ids).")
 
 
 def _each_fit_end(callbacks: Sequence[Callback], trainer: Trainer, history: History) -> None:

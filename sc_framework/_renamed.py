@@ -38,6 +38,21 @@ def refusing_renamed(renamed: Mapping[str, str],
   return decorate
 
 
+def refusing_renamed_keywords(renamed: Mapping[str, str]) -> Callable[[Callable], Callable]:
+  """A function decorator: the function first refuses `renamed`'s keyword arguments
+  (`refuse_renamed`); it keeps its signature."""
+
+  def decorate(function: Callable) -> Callable:
+    @functools.wraps(function)
+    def wrapped(*args, **kwargs):
+      refuse_renamed(function.__qualname__, kwargs, renamed)
+      return function(*args, **kwargs)
+
+    return wrapped
+
+  return decorate
+
+
 def refuse_renamed(owner: str, kwargs: Mapping[str, Any], renamed: Mapping[str, str]) -> None:
   """Raises TypeError for a keyword argument of `kwargs` that `renamed` knows.
 
@@ -55,3 +70,7 @@ def refuse_renamed(owner: str, kwargs: Mapping[str, Any], renamed: Mapping[str, 
 def use_instead(ours: str, theirs: str) -> str:
   """The advice for an argument that is only named otherwise here."""
   return f"it is named {ours} here: pass {ours}= instead of {theirs}=."
+
+
+# The SparseCore stack's name for the shards of a stack on one device.
+SHARDS_RENAMED = {"num_sc_per_device": use_instead("shards_per_device", "num_sc_per_device")}

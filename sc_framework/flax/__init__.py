@@ -28,6 +28,7 @@ from sc_framework.flax._nnx_train import (
     nnx_value_and_grad,
 )
 from sc_framework.flax._step import dense_update, loss_and_aux, sparse_update, value_and_grads
+from sc_framework.flax._tables import linen_slot_values, linen_table_values, replace_linen_tables
 
 __all__ = [
     "LinenSparseEmbed",
@@ -37,6 +38,9 @@ __all__ = [
     "linen_value_and_grad",
     "apply_linen_embedding_grads",
     "make_linen_train_step",
+    "linen_table_values",
+    "linen_slot_values",
+    "replace_linen_tables",
     "NnxSparseEmbed",
     "EmbeddingVariable",
     "NnxTrainStep",

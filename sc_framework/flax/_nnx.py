@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -17,6 +18,9 @@ from sc_framework.primitives import (
     EmbeddingPlan,
     EmbeddingVariables,
     embedding_lookup,
+    replace_tables,
+    slot_values,
+    table_values,
 )
 from sc_framework.specs import FeatureSpec
 from sc_framework.stacking import EmbeddingLayout
@@ -124,6 +128,27 @@ class NnxSparseEmbed(nnx.Module):
         },
         _state.STEP: self.step.get_value(),
     }
+
+  def table_values(self, tables: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+    """The rows of tables as numpy arrays: name -> [V, D] (default every table).
+
+    See `sc_framework.primitives.table_values`."""
+    return table_values(self.plan, self.embedding_variables(), tables)
+
+  def slot_values(self, tables: Iterable[str] | None = None) -> dict[str, dict[str, np.ndarray]]:
+    """The tables' optimizer slots: name -> slot -> [V, D] or [V, w] numpy array."""
+    return slot_values(self.plan, self.embedding_variables(), tables)
+
+  def replace_tables(self, tables: Mapping[str, np.ndarray],
+                     slots: Mapping[str, Mapping[str, np.ndarray]] | None = None) -> None:
+    """Starts tables from given rows (e.g. pretrained embeddings): name -> [V, D] array.
+
+    Each named table's rows become the array's, its slots slots[name] where
+    given, else their initial values; the step and the other tables stay. See
+    `sc_framework.primitives.replace_tables`."""
+    variables = replace_tables(self.plan, self.embedding_variables(), tables, slots)
+    self.set_embedding_state({_state.TABLES: variables.tables, _state.SLOTS: variables.slots,
+                              _state.STEP: self.step.get_value()})
 
   def set_embedding_state(self, state: dict[str, Any]) -> None:
     """Writes {"tables", "slots", "step"} arrays into the layer's variables."""

@@ -8,6 +8,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from sc_framework._renamed import use_instead
 from sc_framework.optimizers._base import (
     BETAS_RENAMED,
     LearningRate,
@@ -75,7 +76,10 @@ class Adam(OptimizerSpec):
   epsilon: float = 1e-8
   sum_inside_sqrt: bool = False
   kind = "adam"
-  renamed_arguments = BETAS_RENAMED
+  renamed_arguments = {
+      **BETAS_RENAMED,
+      "use_sum_inside_sqrt": use_instead("sum_inside_sqrt", "use_sum_inside_sqrt"),
+  }
 
   def __post_init__(self):
     super().__post_init__()

@@ -446,9 +446,14 @@ def _check_ragged(value: RaggedIds, owner: str):
         f" {int(splits[b + 1]) - int(splits[b])}). Give every sample a length >= 0."
     )
   if splits[0] != 0 or splits[-1] != values.size:
+    hint = ""
+    if splits[0] == 0 and splits[-1] < values.size and splits.size >= 2:
+      hint = (" If these are the B start offsets of the samples (as torch.nn.EmbeddingBag"
+              " takes them), append len(values): row_splits has B + 1 entries. Per-sample"
+              " lengths go to RaggedIds.from_lengths.")
     raise ValueError(
         f"{owner}: row_splits must run from 0 to len(values) = {values.size}, got"
-        f" [{splits[0]}, ..., {splits[-1]}] (lengths summing to {splits[-1] - splits[0]})."
+        f" [{splits[0]}, ..., {splits[-1]}] (lengths summing to {splits[-1] - splits[0]}).{hint}"
     )
   weights = _matching_weights(value.weights, values, owner, "ids")
   return values, splits.astype(np.int64, copy=False), weights, False
@@ -702,7 +707,11 @@ def flatten_input(
     if low < 0 or high >= table.vocabulary_size:
       bad = np.flatnonzero((values < 0) | (values >= table.vocabulary_size))[0]
       bad_id = int(values[bad])
-      if bad_id < 0:
+      if bad_id < 0 and padding_id is not None:
+        hint = (f" Negative ids are only allowed as the padding id, which is {padding_id} here:"
+                " mark every unused place with it (one padding id per feature; a dict"
+                " padding_id gives each feature its own).")
+      elif bad_id < 0:
         hint = (" Negative ids are only allowed as the padding id: pass padding_id="
                 f"{bad_id} if it marks unused places.")
       elif values.dtype.kind == "u" and bad_id == np.iinfo(values.dtype).max:

@@ -311,8 +311,15 @@ def collect_stats(
     layout: EmbeddingLayout,
     *,
     padding_id: PaddingId = None,
+    devices: range | None = None,
 ) -> PreprocessStats:
   """Merged statistics of several batches, e.g. to size the tables' limits.
+
+  `devices` as in `preprocess`: statistics of a process's own devices, from
+  batches of its samples. With several processes, every process must use the
+  same limits (the Trainer checks that they agree): size them from every
+  process's statistics merged (`merge_stats`; the statistics pickle), or from
+  global batches (devices=None) on one process, and share the result.
 
   Example:
     stats = collect_stats(itertools.islice(dataset, 20), features, layout)
@@ -324,6 +331,7 @@ def collect_stats(
         " of batches, e.g. collect_stats([batch], ...), or an iterator over a dataset."
     )
   stats = merge_stats(
-      batch_stats(batch, feature_specs, layout, padding_id=padding_id) for batch in batches
+      batch_stats(batch, feature_specs, layout, padding_id=padding_id, devices=devices)
+      for batch in batches
   )
   return stats if stats.stacks else PreprocessStats({}, layout)

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from sc_framework._renamed import SHARDS_RENAMED, refusing_renamed_keywords
 from sc_framework.optimizers import OptimizerSpec, SlotSpec
 from sc_framework.preprocessing._batch import StackSignature, stack_signature
 from sc_framework.specs import FeatureSpec, TableSpec, tables_of, validate_feature_specs
@@ -99,6 +100,7 @@ class EmbeddingPlan:
         )
 
   @classmethod
+  @refusing_renamed_keywords(SHARDS_RENAMED)
   def create(
       cls,
       feature_specs: Sequence[FeatureSpec],

@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from sc_framework.primitives._plan import EmbeddingPlan
@@ -35,12 +36,15 @@ def _init_local_block(plan: EmbeddingPlan, stack: StackLayout, key: jax.Array, d
   """The [S * R, D'] rows of one device, inside shard_map.
 
   Logical row i of table t gets initializer(fold_in(key_t, i), (1, D))[0],
-  with key_t = fold_in(key, crc32(t)); so values do not depend on the layout
-  (stacking, G or S) and no device ever materialises more than its rows.
-  Padding rows and columns are zero.
+  with key_t = fold_in(key, crc32(t)), drawn in float32 (float64 for a
+  float64 table) and rounded to the table's dtype; so values do not depend on
+  the layout (stacking, G or S), a bfloat16 table starts from the float32
+  table rounded, and no device ever materialises more than its rows. Padding
+  rows and columns are zero.
   """
   layout = plan.layout
   num_shards = layout.num_shards
+  draw_dtype = jnp.promote_types(dtype, jnp.float32)
   device = jax.lax.axis_index(plan.axis_name)
   specs = plan.tables()
   shards = []
@@ -57,7 +61,7 @@ def _init_local_block(plan: EmbeddingPlan, stack: StackLayout, key: jax.Array, d
       def one_row(row, spec=spec, table_key=table_key):
         row_key = jax.random.fold_in(table_key, row)
         shape = (1, spec.embedding_dim)
-        value = spec.initializer(row_key, shape, dtype)
+        value = spec.initializer(row_key, shape, draw_dtype)
         if jnp.shape(value) != shape:
           # Broadcasting would otherwise turn it into a table of another shape.
           raise ValueError(
@@ -77,7 +81,35 @@ def _init_local_block(plan: EmbeddingPlan, stack: StackLayout, key: jax.Array, d
   return jnp.concatenate(shards, axis=0)
 
 
+def _probe_initializers(plan: EmbeddingPlan, dtype) -> None:
+  """Calls each table's initializer once for one row, eagerly (also while a caller
+  traces), so a wrong signature or non-finite values are named with the table."""
+  draw_dtype = jnp.promote_types(dtype, jnp.float32)
+  for spec in plan.tables().values():
+    shape = (1, spec.embedding_dim)
+    with jax.ensure_compile_time_eval():
+      try:
+        value = spec.initializer(jax.random.key(0), shape, draw_dtype)
+      except TypeError as error:
+        raise TypeError(
+            f"table {spec.name!r}: its initializer failed when called as initializer(key,"
+            f" shape={shape}, dtype={jnp.dtype(draw_dtype).name}): {error}. An initializer"
+            " takes (key, shape, dtype) and returns an array of that shape, as"
+            " jax.nn.initializers do."
+        ) from error
+      if jnp.shape(value) != shape:
+        continue  # named with the table by the initialisation itself
+      row = np.asarray(jnp.asarray(value, jnp.float32))[0]
+    if not np.isfinite(row).all():
+      raise ValueError(
+          f"table {spec.name!r}: its initializer returned non-finite values (NaN or inf) for"
+          f" a row, e.g. {row[:4].tolist()}: check its scale or parameters. Every value must"
+          " be finite."
+      )
+
+
 def _create(plan: EmbeddingPlan, key: jax.Array, dtype) -> EmbeddingVariables:
+  _probe_initializers(plan, dtype)
   row_spec = PartitionSpec(plan.axis_name)
   sharding = plan.row_sharding()
   tables, slots = {}, {}

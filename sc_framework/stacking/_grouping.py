@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
+from sc_framework._renamed import SHARDS_RENAMED, refusing_renamed_keywords
 from sc_framework._scalars import python_scalar
 from sc_framework.specs import FeatureSpec, TableSpec, tables_of, validate_feature_specs
 from sc_framework.stacking._layout import (
@@ -120,6 +121,7 @@ def _build_layout(
   return layout
 
 
+@refusing_renamed_keywords(SHARDS_RENAMED)
 def stack_tables(
     feature_specs: Sequence[FeatureSpec],
     groups: Sequence[Sequence[str]],
@@ -166,6 +168,7 @@ def stack_tables(
   return _build_layout(features, table_groups, num_devices, shards_per_device)
 
 
+@refusing_renamed_keywords(SHARDS_RENAMED)
 def auto_stack_tables(
     feature_specs: Sequence[FeatureSpec],
     num_devices: int,

@@ -92,6 +92,16 @@ def test_a_workdir_that_is_a_file_gives_one_line_naming_it(tmp_path, capsys):
   assert blocker.read_text() == "a file, not a directory"
 
 
+def test_a_workdir_with_glob_characters_gives_one_line_naming_it(tmp_path, capsys):
+  """It failed after start-up with a traceback from the checkpoint manager."""
+  with pytest.raises(SystemExit) as exit_:
+    dlrm.main(["--steps", "1", *SMALL, "--workdir", str(tmp_path / "a*b")])
+  assert exit_.value.code == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "argument --workdir: cannot save checkpoints under" in err, err
+  assert not (tmp_path / "a*b").exists()
+
+
 def test_batch_size_must_divide_over_the_devices(capsys):
   with pytest.raises(SystemExit):
     dlrm.main(["--batch-size", "60", "--steps", "0", "--workdir", ""])  # 8 devices in tests

@@ -364,10 +364,10 @@ def test_eval_every_refuses_one_shot_eval_data_before_training():
   assert [step for step, _ in history.evaluations] == [7]
 
 
-def _tight_specs():
+def _tight_specs(max_ids=4, max_unique=4):
   """make_specs with partition limits of 4: the test batches overflow them."""
-  tight = [dataclasses.replace(spec, table=dataclasses.replace(spec.table, max_ids_per_partition=4,
-                                                              max_unique_ids_per_partition=4))
+  tight = [dataclasses.replace(spec, table=dataclasses.replace(
+               spec.table, max_ids_per_partition=max_ids, max_unique_ids_per_partition=max_unique))
            for spec in make_specs(SGD(SPARSE_LR))]
   # Features that share table "a" must carry the same (replaced) TableSpec.
   tight[2] = dataclasses.replace(tight[2], table=tight[0].table)
@@ -384,6 +384,22 @@ def test_an_overflow_gives_advice_the_trainer_can_follow():
     trainer.fit(make_batches(2, seed=40))
   assert "capacities=" not in str(error.value)
   assert error.value.__notes__ == ["(in batch 0 of the training data)"]
+
+
+def test_an_overflow_of_one_limit_advises_raising_that_one():
+  """The advice named both limits, the one not exceeded at a value below its own."""
+  batches = make_batches(2, seed=40)
+  trainer = Trainer(LinearHead(), _tight_specs(max_ids=64), mse, optax.sgd(DENSE_LR),
+                    mesh=mesh_of(1), progress="off", padding_id=-1)
+  with pytest.raises(PartitionOverflowError) as error:
+    trainer.fit(batches)
+  advice = str(error.value).split("Raise the ", 1)[1]
+  assert advice.startswith("max_unique_ids_per_partition to at least ")
+  assert "max_ids_per_partition" not in advice and "tables ['a'" in advice
+  needed = error.value.needed.max_unique_ids_per_partition
+  followed = Trainer(LinearHead(), _tight_specs(max_ids=64, max_unique=needed), mse,
+                     optax.sgd(DENSE_LR), mesh=mesh_of(1), progress="off", padding_id=-1)
+  assert followed.fit(batches[:1]).final_step == 1
 
 
 def test_dropped_ids_are_counted_and_warned_about_once(caplog):

@@ -713,3 +713,27 @@ def test_arguments_of_another_kind_are_named():
   stats = collect_stats([ids], specs, layout)
   with pytest.raises(ValueError, match=r"table 't': max_ids_per_partition is about \de\d+, more"):
     size_limits_from_stats(specs, stats, layout=layout, headroom=1e300)
+
+
+def test_another_negative_id_beside_the_padding_id_is_named_with_it():
+  """With padding_id=-1 an id of -3 was told to pass padding_id=-3, which makes every -1 an
+  error instead."""
+  features = [FeatureSpec("f", TableSpec("t", 10, 4), (4, 3))]
+  ids = np.array([[1, -1, -3], [1, 2, 3], [0, 0, 0], [1, 1, 1]])
+  with pytest.raises(ValueError, match=r"got id -3 at sample 0.* the padding id, which is -1"
+                                       r" here: mark every unused place with it"):
+    preprocess({"f": ids}, features, auto_stack_tables(features, 1), padding_id=-1)
+  with pytest.raises(ValueError, match=r"got id -1 at sample 0.* pass padding_id=-1 if"):
+    preprocess({"f": ids}, features, auto_stack_tables(features, 1))
+
+
+def test_embedding_bag_offsets_without_the_end_are_told_to_append_it():
+  features = [FeatureSpec("f", TableSpec("t", 10, 4), (4, 3))]
+  values = np.arange(8) % 10
+  starts = np.array([0, 2, 4, 6])  # torch.nn.EmbeddingBag's offsets: B of them
+  with pytest.raises(ValueError, match=r"run from 0 to len\(values\) = 8.* B start offsets.*"
+                                       r" append len\(values\)"):
+    preprocess({"f": RaggedIds(values, starts)}, features, auto_stack_tables(features, 1))
+  batch, _ = preprocess({"f": RaggedIds(values, np.append(starts, 8))}, features,
+                        auto_stack_tables(features, 1))
+  assert set(batch) == {"t"}

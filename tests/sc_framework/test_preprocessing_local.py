@@ -8,12 +8,13 @@ whole global batch gives it.
 
 from __future__ import annotations
 
+import pickle
 import zlib
 
 import numpy as np
 import pytest
 
-from sc_framework.preprocessing import preprocess
+from sc_framework.preprocessing import collect_stats, merge_stats, preprocess, size_limits_from_stats
 from sc_framework.specs import FeatureSpec
 from sc_framework.stacking import auto_stack_tables
 from tests.numerics import assert_same_bits
@@ -149,3 +150,27 @@ def test_overflow_names_the_global_device():
   local["a"] = hot + local["a"][1:]
   with pytest.raises(ValueError, match=r"device 4 (sends|requests)"):
     preprocess(forms_of(local, "ragged_list", True), specs, layout, devices=devices)
+
+
+@pytest.mark.parametrize("local_devices", [2, 4])
+def test_local_statistics_merged_over_processes_size_the_global_limits(local_devices):
+  """collect_stats took no devices=: a process could not collect the statistics of its own
+  samples, which the sizing workflow needs with several processes."""
+  rng = np.random.default_rng(local_devices)
+  specs = skewed_specs()
+  layout = auto_stack_tables(specs, G)
+  batches = [model_samples(specs, rng, weighted=False) for _ in range(3)]
+  whole = collect_stats([forms_of(b, "ragged_list", False) for b in batches], specs, layout)
+  per_process = [
+      pickle.loads(pickle.dumps(collect_stats(
+          [forms_of(local_slice(b, specs, devices), "ragged_list", False) for b in batches],
+          specs, layout, devices=devices)))
+      for devices in (range(first, first + local_devices) for first in range(0, G, local_devices))
+  ]
+  merged = merge_stats(per_process)
+  for name, stack in whole.stacks.items():
+    assert (merged[name].max_ids_per_partition, merged[name].max_unique_ids_per_partition,
+            merged[name].num_ids) == (stack.max_ids_per_partition,
+                                      stack.max_unique_ids_per_partition, stack.num_ids)
+  assert size_limits_from_stats(specs, merged, layout=layout) == size_limits_from_stats(
+      specs, whole, layout=layout)

@@ -8,7 +8,8 @@ import re
 
 import pytest
 
-from sc_framework import FeatureSpec, TableSpec
+from pipelining import TrainerConfig
+from sc_framework import FeatureSpec, TableSpec, auto_stack_tables, stack_tables
 from sc_framework.optimizers import (
     FTRL,
     SGD,
@@ -18,6 +19,7 @@ from sc_framework.optimizers import (
     LaProp,
     RowWiseAdagrad,
 )
+from sc_framework.primitives import EmbeddingPlan
 
 TABLE = TableSpec("t", 10, 4)
 
@@ -41,6 +43,15 @@ TABLE = TableSpec("t", 10, 4)
         (lambda **kw: TableSpec("t", 10, 4, **kw), "suggested_coo_buffer_size",
          "max_ids_per_partition"),
         (lambda **kw: TableSpec("t", 10, 4, **kw), "quantization_config", "not supported"),
+        # The README's table names these two; they gave Python's plain error.
+        (lambda **kw: Adam(0.1, **kw), "use_sum_inside_sqrt", "sum_inside_sqrt="),
+        (lambda **kw: auto_stack_tables([FeatureSpec("f", TABLE, (2, 3))], 1, **kw),
+         "num_sc_per_device", "shards_per_device="),
+        (lambda **kw: stack_tables([FeatureSpec("f", TABLE, (2, 3))], [["t"]], 1, **kw),
+         "num_sc_per_device", "shards_per_device="),
+        (lambda **kw: EmbeddingPlan.create([FeatureSpec("f", TABLE, (2, 3))], **kw),
+         "num_sc_per_device", "shards_per_device="),
+        (lambda **kw: TrainerConfig(**kw), "num_sc_per_device", "shards_per_device="),
     ],
 )
 def test_another_librarys_argument_name_says_what_to_pass_here(make, theirs, ours):
@@ -70,6 +81,9 @@ def test_the_specs_keep_their_signatures():
   assert list(inspect.signature(FeatureSpec).parameters) == [
       "name", "table", "input_shape", "output_shape"]
   assert "initial_accumulator" in inspect.signature(Adagrad).parameters
+  assert list(inspect.signature(auto_stack_tables).parameters) == [
+      "feature_specs", "num_devices", "shards_per_device"]
+  assert "shards_per_device" in inspect.signature(EmbeddingPlan.create).parameters
 
 
 def test_a_subclass_may_have_a_field_of_a_renamed_name():
