@@ -46,7 +46,7 @@ from checkpoint._errors import (
     NotACheckpointError,
     SlotMismatchError,
 )
-from checkpoint._chain import BrokenChainError, ChainReader, open_reader
+from checkpoint._chain import BrokenChainError, ChainReader, open_reader, stored_table_names
 from checkpoint._convert import ConversionProgress, convert
 from checkpoint._delta import Delta
 from checkpoint._handler import (
@@ -100,5 +100,6 @@ __all__ = [
     "batch_rows",
     "ChainReader",
     "open_reader",
+    "stored_table_names",
     "BrokenChainError",
 ]

@@ -377,6 +377,12 @@ def continues_chain(parent: epath.PathLike, state: Manifest, layout: EmbeddingLa
   return True
 
 
+def stored_table_names(item: epath.PathLike) -> tuple[str, ...]:
+  """The tables of an embedding item, read from manifests only (a delta's are its
+  chain's, which keeps its base's tables)."""
+  return CheckpointReader(walk_chain(item, check_ids=False)[0][0]).table_names
+
+
 def open_reader(item: epath.PathLike, *,
                 chunk_cache: ChunkCache | None = None) -> CheckpointReader:
   """A reader of any embedding item: `CheckpointReader` if full, `ChainReader` if a delta.

@@ -277,6 +277,22 @@ def warn_foreign_entries(directory: epath.Path) -> list[epath.Path]:
   return foreign
 
 
+def _remove_tree(path: epath.Path) -> None:
+  """Deletes a directory whose files may vanish meanwhile: a save this process
+  abandoned (a second Ctrl-C) may still be finishing in a background thread,
+  renaming or deleting its own files; whatever it leaves is gone, or is a
+  complete step (renamed into place), afterwards."""
+  for attempt in range(3):
+    try:
+      path.rmtree()
+      return
+    except FileNotFoundError:  # a file vanished while the walk listed it: walk again
+      if not path.exists():
+        return
+      if attempt == 2:
+        raise
+
+
 def remove_unfinished_saves(directory: epath.PathLike) -> list[epath.Path]:
   """Deletes the temporary directories of interrupted saves under a root.
 
@@ -296,7 +312,7 @@ def remove_unfinished_saves(directory: epath.PathLike) -> list[epath.Path]:
     if _TMP_SUFFIX not in child.name:
       continue
     if _UNFINISHED.match(child.name) and not _integrity.is_link(child) and child.is_dir():
-      child.rmtree()
+      _remove_tree(child)
       removed.append(child)
     else:
       warnings.warn(

@@ -47,7 +47,7 @@ from checkpoint import (
     SlotMismatchError,
     UpdatedRows,
     batch_rows,
-    open_reader,
+    stored_table_names,
 )
 from pipelining._in_flight import FeatureInFlight, SavedInFlight, rows_shapes
 from pipelining._steps import DeviceBatch, TrainState
@@ -312,7 +312,7 @@ class TrainerCheckpoints:
     """Refuses to resume training without tables the checkpoint holds: the saves that
     follow would not keep them, and once the older steps are removed their trained rows
     would be lost. (A table the checkpoint lacks is refused by the restore itself.)"""
-    stored = open_reader(self.directory / str(step) / self._manager.embedding_item).table_names
+    stored = stored_table_names(self.directory / str(step) / self._manager.embedding_item)
     left_out = sorted(set(stored) - set(self._plan.layout.table_names))
     if left_out:
       raise IncompatibleCheckpointError(
@@ -416,7 +416,10 @@ class TrainerCheckpoints:
 
 
 def _looked_up_as(spec) -> dict[str, str]:
-  """What an in-flight feature's saved activations depend on besides the rows."""
+  """What an in-flight feature's saved activations depend on besides the rows: its
+  table, and the table's combiner unless it is a sequence feature (which has none)."""
+  if spec.sequence_length is not None:
+    return {"table": spec.table.name}
   return {"table": spec.table.name, "combiner": spec.table.combiner}
 
 
@@ -430,9 +433,9 @@ def _check_looked_up_alike(step: int, directory: epath.Path,
   """
   changed = []
   for spec in specs:
-    recorded = {key: saved[spec.name][key] for key in ("table", "combiner")
-                if key in saved[spec.name]}
-    now = {key: value for key, value in _looked_up_as(spec).items() if key in recorded}
+    now = _looked_up_as(spec)
+    recorded = {key: saved[spec.name][key] for key in now if key in saved[spec.name]}
+    now = {key: value for key, value in now.items() if key in recorded}
     if recorded != now:
       changed.append(f"feature {spec.name!r}: {recorded} then, {now} now")
   if changed:

@@ -78,7 +78,10 @@ class History:
     resumed_from: the checkpoint step fit resumed from, or None.
     dropped_ids: ids dropped (`allow_id_dropping`) from this process's
       batches prepared during fit: training batches (prefetched ones
-      included) and those of evaluations during fit.
+      included) and those of evaluations during fit. It counts a batch
+      when it is prepared, not when it is applied: a fit that stops at
+      num_steps with batches prefetched counts them, and the next fit,
+      which applies them, does not (the sum over fits is the whole run's).
     skipped_batches: the batches of the data stream not applied because
       their loss was not finite, as recorded in the state fit started from:
       a resumed checkpoint (`save_on_nonfinite`), or the state this Trainer

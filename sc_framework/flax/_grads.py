@@ -94,6 +94,16 @@ class _Site:
   shapes: dict[str, jax.ShapeDtypeStruct]
 
 
+def _batch_made_in_a_transform(tap: _Tap, batch: dict[str, StackBatch]) -> bool:
+  """Whether a layer runs inside a transform of the loss on a batch of that
+  transform's tracers (passed in as an argument). One the transform closes
+  over keeps the loss's own tracers, which the step can use."""
+  if tap.trace is None or _trace_state() == tap.trace:
+    return False
+  return any(isinstance(leaf, jax.core.Tracer) and id(leaf) not in tap.input_ids
+             for leaf in jax.tree.leaves(batch))
+
+
 def _trace_state() -> object | None:
   """An opaque token of JAX's current trace (equal tokens: the same trace), or
   None where this JAX version does not expose one."""
@@ -105,9 +115,12 @@ def _trace_state() -> object | None:
 class _Tap:
   """Collects the embedding layer calls of one trace of a loss."""
 
-  def __init__(self, deltas: dict[str, dict[str, jax.Array]] | None):
+  def __init__(self, deltas: dict[str, dict[str, jax.Array]] | None, inputs: Any = ()):
     self.deltas = deltas  # None while discovering the layers
-    self.trace = _trace_state()  # the trace of the loss, where the layers must run
+    self.trace = _trace_state()  # the trace of the loss
+    # The loss's inputs (its batch among them), which the loss may also pass into a
+    # transform by closure: there they stay these tracers, which the step can use.
+    self.input_ids = {id(leaf) for leaf in jax.tree.leaves(inputs)}
     self.sites: dict[str, _Site] = {}
     self.batches: dict[str, dict[str, StackBatch]] = {}
     self.paths_by_id: dict[int, tuple[Hashable, ...]] = {}
@@ -121,8 +134,8 @@ _CURRENT: contextvars.ContextVar[_Tap | None] = contextvars.ContextVar("sc_embed
 
 
 @contextlib.contextmanager
-def _tapping(deltas) -> Iterator[_Tap]:
-  tap = _Tap(deltas)
+def _tapping(deltas, inputs: Any = ()) -> Iterator[_Tap]:
+  tap = _Tap(deltas, inputs)
   token = _CURRENT.set(tap)
   try:
     yield tap
@@ -158,16 +171,17 @@ def tap_activations(
   if tap is None:
     return activations
   path = layer if isinstance(layer, tuple) else tap.paths_by_id.get(id(layer))
-  if tap.trace is not None and _trace_state() != tap.trace:
-    # Its batch and activations would be tracers of that transform, which the
-    # step reads outside it: JAX's error would name neither the layer nor why.
-    described = repr(layer_key(path)) if path is not None else type(layer).__name__
+  if _batch_made_in_a_transform(tap, batch):
+    # The step would read that transform's tracers outside it, and JAX's error
+    # (when the step runs) would name neither the layer nor why.
+    described = (repr(layer_key(path)) if path is not None else
+                 f"{type(layer).__name__} (a copy an NNX transform made)")
     raise ValueError(
         f"embedding layer {described} was called inside a transform of the loss (nn.remat,"
-        " nnx.remat, jax.checkpoint, nn.scan, nn.vmap, nn.jit, ...), which the sparse update"
-        " cannot follow. Call embedding layers in the loss itself and apply such transforms to"
-        " the dense part of the model only (e.g. nn.remat(DenseBlock)), passing it the"
-        " activations."
+        " nnx.remat, jax.checkpoint, nn.scan, nn.vmap, nn.jit, ...) on a batch passed into"
+        " it, whose tracers the sparse update cannot read outside it. Call embedding layers in"
+        " the loss itself and apply such transforms to the dense part of the model only (e.g."
+        " nn.remat(DenseBlock)), passing it the activations."
     )
   if path is None:
     raise ValueError(
@@ -210,7 +224,7 @@ def _zero_deltas(sites: Mapping[str, _Site]) -> dict[str, dict[str, jax.Array]]:
 
 
 def value_and_activation_grad(
-    fun: Callable[[Any], tuple[Any, Any]], params: Any, owner: str = "loss_fn"
+    fun: Callable[[Any], tuple[Any, Any]], params: Any, owner: str = "loss_fn", inputs: Any = ()
 ) -> tuple[jax.Array, dict[str, Any] | None, Any, Any, EmbeddingGradients]:
   r"""The loss, its aux, dL/d(params) and dL/da of every embedding layer it calls.
 
@@ -226,6 +240,9 @@ def value_and_activation_grad(
     fun: the loss as a function of the dense parameters.
     params: the dense parameters (any pytree).
     owner: names the loss in error messages.
+    inputs: the data `fun` closes over (its batch among them): a layer may
+      take them by closure inside a transform of the loss (jax.checkpoint of
+      the whole loss), which a batch passed into the transform may not be.
 
   Returns:
     (loss, aux or None, extra, dL/dparams, EmbeddingGradients).
@@ -233,7 +250,7 @@ def value_and_activation_grad(
   sites: dict[str, _Site] = {}
 
   def discover(params):
-    with _tapping(None) as discovery:  # inside eval_shape's trace, as the loss runs
+    with _tapping(None, inputs) as discovery:  # inside eval_shape's trace, as the loss runs
       output = fun(params)
     sites.update(discovery.sites)
     return output
@@ -242,7 +259,7 @@ def value_and_activation_grad(
   deltas = _zero_deltas(sites)
 
   def with_deltas(params, deltas):
-    with _tapping(deltas) as tap:
+    with _tapping(deltas, inputs) as tap:
       output, extra = fun(params)
     if set(tap.sites) != set(sites):
       raise ValueError(

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from sc_framework.flax import _state
+from sc_framework.flax import _linen_train, _state
 from sc_framework.flax._linen import LinenSparseEmbed
 from sc_framework.flax._linen_train import LinenTrainState
 from sc_framework.primitives import (
@@ -39,9 +39,10 @@ def _layer_paths(collection: Any, prefix: tuple[str, ...] = ()) -> list[str]:
 
 
 def _layer_state(state: LinenTrainState, path: str) -> Mapping[str, Any]:
-  node = state.embedding
-  for part in _parts(path):
-    node = node.get(part) if isinstance(node, Mapping) else None
+  try:
+    node = _linen_train._at(state.embedding, tuple(_parts(path)), path)
+  except ValueError:
+    node = None
   if not isinstance(node, Mapping) or _state.TABLES not in node:
     raise KeyError(
         f"no embedding layer at {path!r} in the state's embedding collection; its embedding"
@@ -53,13 +54,6 @@ def _layer_state(state: LinenTrainState, path: str) -> Mapping[str, Any]:
 def _parts(path: str) -> list[str]:
   """The module names of a path; "" is the root (the model is the layer itself)."""
   return [part for part in path.split("/") if part]
-
-
-def _replaced(collection: Mapping[str, Any], parts: list[str], value: Any) -> dict[str, Any]:
-  """`collection` with the node at `parts` replaced by `value` (new dicts on the way)."""
-  if not parts:
-    return value
-  return {**collection, parts[0]: _replaced(collection[parts[0]], parts[1:], value)}
 
 
 def _plan(layer: LinenSparseEmbed | EmbeddingPlan) -> EmbeddingPlan:
@@ -113,4 +107,5 @@ def replace_linen_tables(state: LinenTrainState, layer: LinenSparseEmbed | Embed
   new = replace_tables(_plan(layer), EmbeddingVariables(own[_state.TABLES], own[_state.SLOTS]),
                        tables, slots)
   layer_state = {**own, _state.TABLES: new.tables, _state.SLOTS: new.slots}
-  return state._replace(embedding=_replaced(state.embedding, _parts(path), layer_state))
+  return state._replace(
+      embedding=_linen_train._replace(state.embedding, tuple(_parts(path)), layer_state))

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import zlib
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -81,22 +82,43 @@ def _init_local_block(plan: EmbeddingPlan, stack: StackLayout, key: jax.Array, d
   return jnp.concatenate(shards, axis=0)
 
 
-def _probe_initializers(plan: EmbeddingPlan, dtype) -> None:
-  """Calls each table's initializer once for one row, eagerly (also while a caller
-  traces), so a wrong signature or non-finite values are named with the table."""
+def _probe_key(key: jax.Array) -> jax.Array:
+  """A concrete key of the kind of `key` (typed, of its implementation, or raw data)."""
+  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    return jax.random.key(0, impl=jax.random.key_impl(key))
+  return jax.random.fold_in(jnp.zeros(key.shape, key.dtype), 0)
+
+
+def _signature_error(initializer: Any, key: jax.Array, shape, dtype) -> TypeError | None:
+  """The TypeError of calling `initializer(key, shape, dtype)` by its signature, if any."""
+  try:
+    signature = inspect.signature(initializer)
+  except (TypeError, ValueError):  # no signature to read (a builtin): left to the call
+    return None
+  try:
+    signature.bind(key, shape, dtype)
+  except TypeError as error:
+    return error
+  return None
+
+
+def _probe_initializers(plan: EmbeddingPlan, key: jax.Array, dtype) -> None:
+  """Checks each table's initializer by its signature, and calls it once for one row
+  eagerly (also while a caller traces), so that a wrong signature or non-finite values
+  are named with the table."""
   draw_dtype = jnp.promote_types(dtype, jnp.float32)
   for spec in plan.tables().values():
     shape = (1, spec.embedding_dim)
     with jax.ensure_compile_time_eval():
-      try:
-        value = spec.initializer(jax.random.key(0), shape, draw_dtype)
-      except TypeError as error:
+      probe_key = _probe_key(key)
+      error = _signature_error(spec.initializer, probe_key, shape, draw_dtype)
+      if error is not None:
         raise TypeError(
-            f"table {spec.name!r}: its initializer failed when called as initializer(key,"
-            f" shape={shape}, dtype={jnp.dtype(draw_dtype).name}): {error}. An initializer"
-            " takes (key, shape, dtype) and returns an array of that shape, as"
-            " jax.nn.initializers do."
+            f"table {spec.name!r}: its initializer cannot be called as initializer(key,"
+            f" shape, dtype): {error}. An initializer takes (key, shape, dtype) and returns"
+            " an array of that shape, as jax.nn.initializers do."
         ) from error
+      value = spec.initializer(probe_key, shape, draw_dtype)
       if jnp.shape(value) != shape:
         continue  # named with the table by the initialisation itself
       row = np.asarray(jnp.asarray(value, jnp.float32))[0]
@@ -109,7 +131,7 @@ def _probe_initializers(plan: EmbeddingPlan, dtype) -> None:
 
 
 def _create(plan: EmbeddingPlan, key: jax.Array, dtype) -> EmbeddingVariables:
-  _probe_initializers(plan, dtype)
+  _probe_initializers(plan, key, dtype)
   row_spec = PartitionSpec(plan.axis_name)
   sharding = plan.row_sharding()
   tables, slots = {}, {}

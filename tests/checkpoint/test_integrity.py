@@ -189,6 +189,30 @@ def test_unfinished_saves_are_removed_but_links_and_foreign_entries_are_left(roo
   assert (root / "README").read_text() == "notes"
 
 
+def test_an_unfinished_save_still_being_finished_is_removed_while_its_files_vanish(
+    root, monkeypatch):
+  """A save a second Ctrl-C abandoned may still be finishing in a background thread of the
+  process, renaming its files while a new manager removes it: the new manager failed with
+  FileNotFoundError (shutil's walk listed a file the save had just renamed)."""
+  unfinished = root / "7.orbax-checkpoint-tmp-123"
+  (unfinished / "meta.orbax-checkpoint-tmp").mkdir(parents=True)
+  (unfinished / "meta.orbax-checkpoint-tmp" / "data").write_text("x")
+  rmtree = shutil.rmtree
+  calls = []
+
+  def racing_rmtree(path, *args, **kwargs):
+    calls.append(path)
+    if len(calls) == 1:  # the save renames a directory as the walk reaches it
+      os.rename(os.path.join(path, "meta.orbax-checkpoint-tmp"), os.path.join(path, "meta"))
+      raise FileNotFoundError(2, "No such file or directory", "meta.orbax-checkpoint-tmp")
+    return rmtree(path, *args, **kwargs)
+
+  monkeypatch.setattr(shutil, "rmtree", racing_rmtree)
+  with ck.CheckpointManager(root) as mngr:
+    assert mngr.latest_step() == 2
+  assert len(calls) >= 2 and not unfinished.exists()
+
+
 def test_the_reader_refuses_a_link_inside_the_item(root):
   stack = root / "2/embedding/stacks" / "a__b"
   shutil.rmtree(stack)

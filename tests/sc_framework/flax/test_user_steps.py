@@ -207,25 +207,34 @@ def test_a_linen_layer_inside_a_transform_of_the_loss_is_refused_by_name(transfo
     step(state, batch, labels)
 
 
+def _checkpointed_loss(apply, batch, labels):
+  """The whole loss under jax.checkpoint, which closes over the batch (worked before the
+  refusal above, and must still)."""
+  return jax.checkpoint(lambda: _squared_loss(apply, batch, labels))()
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_remat_of_the_dense_part_trains_as_without_it(seed):
-  """The advice of the refusal above works: the same steps, the same values."""
+  """The advice of the refusal above works: the same steps, the same values; so does a
+  checkpoint of the whole loss that closes over the batch."""
   raw_batches = [ref.raw_batch(10 * seed + k) for k in range(3)]
   layout = LinenSparseEmbed(ref.FEATURES, mesh=ref.mesh(1)).plan.layout
   batches = [(ref.preprocessed(raw, layout), labels) for raw, labels in raw_batches]
   results = []
-  for remat_dense in (False, True):
+  for remat_dense, loss_fn in ((False, _squared_loss), (True, _squared_loss),
+                               (False, _checkpointed_loss)):
     model, tx = _Ranker(remat_dense), optax.adam(0.01)
     state = init_linen_train_state(model, tx, jax.random.key(seed), batches[0][0])
-    step = make_linen_train_step(model, tx, _squared_loss)
+    step = make_linen_train_step(model, tx, loss_fn)
     losses = []
     for batch, labels in batches:
       state, loss = step(state, batch, labels)
       losses.append(loss)
     results.append((losses, state.embedding))
-  (plain_losses, plain_tables), (remat_losses, remat_tables) = results
-  assert_close(np.array(remat_losses), np.array(plain_losses), terms=ref.TERMS, steps=3)
-  ref.assert_trees_close(remat_tables, plain_tables, steps=3)
+  (plain_losses, plain_tables), *others = results
+  for losses, tables in others:
+    assert_close(np.array(losses), np.array(plain_losses), terms=ref.TERMS, steps=3)
+    ref.assert_trees_close(tables, plain_tables, steps=3)
 
 
 def test_an_nnx_layer_inside_nnx_remat_is_refused_by_name():
@@ -240,6 +249,6 @@ def test_an_nnx_layer_inside_nnx_remat_is_refused_by_name():
     return jnp.mean((model.out(x)[:, 0] - labels) ** 2)
 
   step = make_nnx_train_step(loss_fn)
-  with pytest.raises(ValueError, match=r"embedding layer NnxSparseEmbed was called inside a"
-                                       r" transform of the loss"):
+  with pytest.raises(ValueError, match=r"embedding layer NnxSparseEmbed \(a copy an NNX"
+                                       r" transform made\) was called inside a transform"):
     step(model, optimizer, batch, labels)
