@@ -54,12 +54,10 @@ def _run(make: Callable[..., Callable[..., Any]], key: tuple, *args):
   Outside any trace, shard_map runs its body op by op, compiling each op (a
   lookup or update took seconds, an update of a small table about 8 s on
   two cores); jitted, it is one compilation, and the jitted program is kept
-  per (make, key), so later eager calls with the same shapes reuse it.
-  Under a trace (a user's jit, grad or vmap), it is traced into that
-  program as it is.
+  per (make, key), so later eager calls with the same shapes reuse it, also
+  under an eager grad or vmap (which ran the body op by op too: seconds per
+  call). Under a user's jit it is a nested jit, which XLA inlines.
   """
-  if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(args)):
-    return make(*key)(*args)
   try:
     hash(key)
   except TypeError:  # a spec holds something unhashable: compile for this call only

@@ -917,6 +917,27 @@ def test_eager_calls_compile_one_program_per_stack():
                (eager_activations, eager_update), (jitted_activations, jitted_update))
 
 
+def test_an_eager_grad_through_the_lookup_compiles_once_and_gives_the_jitted_gradient():
+  """Under an eager jax.grad the lookup ran its shard_map op by op, compiling every op at
+  every call (seconds per call); it now reuses one program, as eager calls do."""
+  run = _trajectory("adam", "8x1", "sqrtn-sum")
+  plan, features = run.plan, run.features
+  initial = run.snapshots[0]
+  tables = jax.device_put(initial.stacked_tables, plan.row_sharding())
+  raw = _random_batch(np.random.default_rng(13), features)
+  batch, _ = preprocess(raw.inputs, features, plan.layout, padding_id=PADDING_ID)
+
+  def loss(tables):
+    return sum(jnp.sum(jnp.tanh(a)) for a in embedding_lookup(plan, tables, batch).values())
+
+  jax.grad(loss)(tables)  # compiles
+  with count_compiles() as compiles:
+    eager = jax.grad(loss)(tables)
+  assert len(compiles) <= 2 * len(plan.layout.stacks), compiles
+  jitted = jax.jit(jax.grad(loss))(tables)
+  jax.tree.map(lambda a, b: assert_close(a, b, terms=_sum_terms(features)), eager, jitted)
+
+
 @pytest.mark.parametrize("opt_name, geometry, dtype", [
     ("sgd", "1x1", jnp.float32),  # no slots
     ("rowwise_adagrad", "8x2", jnp.bfloat16),  # a slot one value wide
