@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -25,4 +26,37 @@ class Callback:
     """After a checkpoint of `step` was started."""
 
   def on_fit_end(self, trainer: Any, history: Any) -> None:
-    """When fit returns (also after an interruption)."""
+    """When fit returns, also after an interruption or an error (history.final_step
+    counts the updates applied); every callback's runs even if another's raises."""
+
+
+HOOKS = tuple(name for name in vars(Callback) if name.startswith("on_"))
+
+
+def checked_callbacks(callbacks: Sequence[Callback]) -> tuple[Callback, ...]:
+  """fit's callbacks: each a `Callback`, or an object with all of its hooks (fit calls them)."""
+  if isinstance(callbacks, Callback) or (
+      not isinstance(callbacks, (list, tuple)) and hasattr(callbacks, HOOKS[0])):
+    callbacks = (callbacks,)
+  for callback in callbacks:
+    missing = [name for name in HOOKS if not callable(getattr(callback, name, None))]
+    if missing and not isinstance(callback, Callback):
+      raise TypeError(
+          f"callbacks must be pipelining.Callback objects (subclass Callback and override the"
+          f" hooks you need, e.g. on_step_end), or have all of its hooks; {callback!r} lacks"
+          f" {missing}."
+      )
+  return tuple(callbacks)
+
+
+def each_fit_end(callbacks: Sequence[Callback], trainer: Any, history: Any) -> None:
+  """Calls every callback's on_fit_end, also after one of them raised; then raises the
+  first such error (each callback may hold something to release at the end)."""
+  first_error = None
+  for callback in callbacks:
+    try:
+      callback.on_fit_end(trainer, history)
+    except BaseException as error:  # noqa: BLE001 - re-raised below
+      first_error = first_error or error
+  if first_error is not None:
+    raise first_error

@@ -25,7 +25,7 @@ from pipelining._batch_check import (
     check_labels_fit_predictions,
     check_not_one_batch,
 )
-from pipelining._callbacks import Callback
+from pipelining._callbacks import Callback, checked_callbacks, each_fit_end
 from pipelining._config import TrainerConfig, check_count
 from pipelining._data import own_position, share_position
 from pipelining._determinism import NondeterministicResumeWarning, mesh_platform, resume_caveat
@@ -621,7 +621,7 @@ class Trainer:
     check_not_one_batch(train_data, "fit's train_data")
     check_not_one_batch(eval_data, "fit's eval_data")
     num_steps, epochs, eval_every = _fit_arguments(num_steps, epochs, eval_data, eval_every)
-    callbacks = _checked_callbacks(callbacks)
+    callbacks = checked_callbacks(callbacks)
     history = History()
     dropped_before = self._dropped_ids
     self._stop.clear()
@@ -690,7 +690,7 @@ class Trainer:
           progress.close()
         if not history.final_step:  # fit raised: the steps it applied count
           history.final_step = _step_or_zero(self.state)
-        _each_fit_end(callbacks, self, history)
+        each_fit_end(callbacks, self, history)
       finally:
         restore_handlers(previous_handlers)
 
@@ -1076,25 +1076,6 @@ def _fit_arguments(num_steps: int | None, epochs: int | None, eval_data: Iterabl
   return num_steps, epochs, eval_every
 
 
-_HOOKS = tuple(name for name in vars(Callback) if name.startswith("on_"))
-
-
-def _checked_callbacks(callbacks: Sequence[Callback]) -> tuple[Callback, ...]:
-  """fit's callbacks: each a `Callback`, or an object with all of its hooks (fit calls them)."""
-  if isinstance(callbacks, Callback) or (
-      not isinstance(callbacks, (list, tuple)) and hasattr(callbacks, _HOOKS[0])):
-    callbacks = (callbacks,)
-  for callback in callbacks:
-    missing = [name for name in _HOOKS if not callable(getattr(callback, name, None))]
-    if missing and not isinstance(callback, Callback):
-      raise TypeError(
-          f"callbacks must be pipelining.Callback objects (subclass Callback and override the"
-          f" hooks you need, e.g. on_step_end), or have all of its hooks; {callback!r} lacks"
-          f" {missing}."
-      )
-  return tuple(callbacks)
-
-
 def _overflow_advice(error: PartitionOverflowError, limits, tables: list[str]) -> str:
   """The Trainer's advice for a partition overflow: the limits that were exceeded only."""
   raise_ = [f"{name} to at least {needed}" for name, needed, limit in (
@@ -1106,19 +1087,6 @@ def _overflow_advice(error: PartitionOverflowError, limits, tables: list[str]) -
           " burstier batches: size_limits_from_stats(..., headroom=1.2) computes them from a"
           " few batches), or pass allow_id_dropping=True to the Trainer to drop the excess"
           " ids deterministically (counted in trainer.dropped_ids).")
-
-
-def _each_fit_end(callbacks: Sequence[Callback], trainer: Trainer, history: History) -> None:
-  """Calls every callback's on_fit_end, also after one of them raised; then raises the
-  first such error (each callback may hold something to release at the end)."""
-  first_error = None
-  for callback in callbacks:
-    try:
-      callback.on_fit_end(trainer, history)
-    except BaseException as error:  # noqa: BLE001 - re-raised below
-      first_error = first_error or error
-  if first_error is not None:
-    raise first_error
 
 
 def _step_or_zero(state: TrainState | None) -> int:
