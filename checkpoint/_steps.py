@@ -280,8 +280,8 @@ def warn_foreign_entries(directory: epath.Path) -> list[epath.Path]:
 def _remove_tree(path: epath.Path) -> None:
   """Deletes a directory whose files may vanish meanwhile: a save this process
   abandoned (a second Ctrl-C) may still be finishing in a background thread,
-  renaming or deleting its own files; whatever it leaves is gone, or is a
-  complete step (renamed into place), afterwards."""
+  renaming or deleting its own files. What such a save still renames into
+  place is a step without its integrity manifest, which restores skip."""
   for attempt in range(3):
     try:
       path.rmtree()

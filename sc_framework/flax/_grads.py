@@ -96,12 +96,18 @@ class _Site:
 
 def _batch_made_in_a_transform(tap: _Tap, batch: dict[str, StackBatch]) -> bool:
   """Whether a layer runs inside a transform of the loss on a batch of that
-  transform's tracers (passed in as an argument). One the transform closes
-  over keeps the loss's own tracers, which the step can use."""
-  if tap.trace is None or _trace_state() == tap.trace:
+  transform's own tracers (passed into it as an argument). A batch the
+  transform closes over keeps tracers of an enclosing trace, which the step
+  can use. Reads JAX's private tracer state (a tracer's `_trace`); where that
+  is absent it answers False, and JAX's own error stands."""
+  current = _trace_state()
+  if tap.trace is None or current == tap.trace:
     return False
-  return any(isinstance(leaf, jax.core.Tracer) and id(leaf) not in tap.input_ids
-             for leaf in jax.tree.leaves(batch))
+  current_ref = getattr(current, "_trace_ref", None)
+  return current_ref is not None and any(
+      isinstance(leaf, jax.core.Tracer)
+      and getattr(getattr(leaf, "_trace", None), "_weakref", None) == current_ref
+      for leaf in jax.tree.leaves(batch))
 
 
 def _trace_state() -> object | None:
@@ -115,12 +121,9 @@ def _trace_state() -> object | None:
 class _Tap:
   """Collects the embedding layer calls of one trace of a loss."""
 
-  def __init__(self, deltas: dict[str, dict[str, jax.Array]] | None, inputs: Any = ()):
+  def __init__(self, deltas: dict[str, dict[str, jax.Array]] | None):
     self.deltas = deltas  # None while discovering the layers
     self.trace = _trace_state()  # the trace of the loss
-    # The loss's inputs (its batch among them), which the loss may also pass into a
-    # transform by closure: there they stay these tracers, which the step can use.
-    self.input_ids = {id(leaf) for leaf in jax.tree.leaves(inputs)}
     self.sites: dict[str, _Site] = {}
     self.batches: dict[str, dict[str, StackBatch]] = {}
     self.paths_by_id: dict[int, tuple[Hashable, ...]] = {}
@@ -134,8 +137,8 @@ _CURRENT: contextvars.ContextVar[_Tap | None] = contextvars.ContextVar("sc_embed
 
 
 @contextlib.contextmanager
-def _tapping(deltas, inputs: Any = ()) -> Iterator[_Tap]:
-  tap = _Tap(deltas, inputs)
+def _tapping(deltas) -> Iterator[_Tap]:
+  tap = _Tap(deltas)
   token = _CURRENT.set(tap)
   try:
     yield tap
@@ -224,7 +227,7 @@ def _zero_deltas(sites: Mapping[str, _Site]) -> dict[str, dict[str, jax.Array]]:
 
 
 def value_and_activation_grad(
-    fun: Callable[[Any], tuple[Any, Any]], params: Any, owner: str = "loss_fn", inputs: Any = ()
+    fun: Callable[[Any], tuple[Any, Any]], params: Any, owner: str = "loss_fn"
 ) -> tuple[jax.Array, dict[str, Any] | None, Any, Any, EmbeddingGradients]:
   r"""The loss, its aux, dL/d(params) and dL/da of every embedding layer it calls.
 
@@ -240,9 +243,6 @@ def value_and_activation_grad(
     fun: the loss as a function of the dense parameters.
     params: the dense parameters (any pytree).
     owner: names the loss in error messages.
-    inputs: the data `fun` closes over (its batch among them): a layer may
-      take them by closure inside a transform of the loss (jax.checkpoint of
-      the whole loss), which a batch passed into the transform may not be.
 
   Returns:
     (loss, aux or None, extra, dL/dparams, EmbeddingGradients).
@@ -250,7 +250,7 @@ def value_and_activation_grad(
   sites: dict[str, _Site] = {}
 
   def discover(params):
-    with _tapping(None, inputs) as discovery:  # inside eval_shape's trace, as the loss runs
+    with _tapping(None) as discovery:  # inside eval_shape's trace, as the loss runs
       output = fun(params)
     sites.update(discovery.sites)
     return output
@@ -259,7 +259,7 @@ def value_and_activation_grad(
   deltas = _zero_deltas(sites)
 
   def with_deltas(params, deltas):
-    with _tapping(deltas, inputs) as tap:
+    with _tapping(deltas) as tap:
       output, extra = fun(params)
     if set(tap.sites) != set(sites):
       raise ValueError(

@@ -140,8 +140,7 @@ def linen_value_and_grad(
 
       return loss_fn(apply, *data), None
 
-    loss, aux, _, param_grads, embedding_grads = _grads.value_and_activation_grad(
-        fun, params, inputs=data)
+    loss, aux, _, param_grads, embedding_grads = _grads.value_and_activation_grad(fun, params)
     return (loss if aux is None else (loss, aux)), param_grads, embedding_grads
 
   return value_and_grad

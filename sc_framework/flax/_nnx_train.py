@@ -67,7 +67,8 @@ def nnx_value_and_grad(
       return output, nnx.split(copy, dense, EmbeddingVariable, ...)[3]
 
     loss, aux, new_rest, param_grads, embedding_grads = _grads.value_and_activation_grad(
-        fun, params, inputs=data)
+        fun, params
+    )
     nnx.update(model, new_rest)
     return (loss if aux is None else (loss, aux)), param_grads, embedding_grads
 

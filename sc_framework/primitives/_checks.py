@@ -118,6 +118,7 @@ def check_variables(plan: EmbeddingPlan, variables: Any) -> None:
 def check_stacked(plan: EmbeddingPlan, stacked: dict[str, jax.Array], what: str,
                    hint: str) -> None:
   """`stacked` holds one [G * B_s, D'] array per stack of the plan (`stacked_lookup`'s form)."""
+  check_not_in_shard_map(plan)
   check_names(what, stacked, plan.layout.stack_names, "stacks", hint)
   for stack in plan.layout.stacks:
     shape = _shape_of(stacked[stack.name], f"{what}[{stack.name!r}]")

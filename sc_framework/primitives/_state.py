@@ -86,7 +86,7 @@ def _probe_key(key: jax.Array) -> jax.Array:
   """A concrete key of the kind of `key` (typed, of its implementation, or raw data)."""
   if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
     return jax.random.key(0, impl=jax.random.key_impl(key))
-  return jax.random.fold_in(jnp.zeros(key.shape, key.dtype), 0)
+  return jnp.zeros(key.shape, key.dtype)
 
 
 def _signature_error(initializer: Any, key: jax.Array, shape, dtype) -> TypeError | None:

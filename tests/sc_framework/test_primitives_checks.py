@@ -506,7 +506,7 @@ def test_an_initializer_may_return_numpy_or_another_dtype():
   assert stack.dtype == jnp.float32 and set(np.unique(np.asarray(stack))) == {0.0, 2.0}
 
 
-@pytest.mark.parametrize("update", [False, True])
+@pytest.mark.parametrize("update", [False, True, "split"])
 def test_a_call_inside_shard_map_is_refused_saying_to_call_outside(update):
   """Inside shard_map each array is one device's block: the tables were said to "belong to
   another layout", though they were the right ones."""
@@ -516,7 +516,11 @@ def test_a_call_inside_shard_map_is_refused_saying_to_call_outside(update):
   batch = _batch(features, plan)
   rows = jax.sharding.PartitionSpec("devices")
 
+  stacked = stacked_lookup(plan, variables.tables, batch)
+
   def body(variables, batch):
+    if update == "split":
+      return split_stacked_activations(plan, stacked)
     if update:
       return apply_embedding_gradients(plan, variables, batch, _grads(features), 0)
     return embedding_lookup(plan, variables.tables, batch)

@@ -252,3 +252,29 @@ def test_an_nnx_layer_inside_nnx_remat_is_refused_by_name():
   with pytest.raises(ValueError, match=r"embedding layer NnxSparseEmbed \(a copy an NNX"
                                        r" transform made\) was called inside a transform"):
     step(model, optimizer, batch, labels)
+
+
+def test_a_loss_closing_over_the_steps_batch_may_checkpoint_the_whole_loss():
+  """A user's step whose loss closes over the step's batch (not passed as data): its
+  tracers belong to the step's trace, not to the checkpoint's, and the step may use them.
+  (A first version of the refusal above refused it.)"""
+  raw, labels = ref.raw_batch(5)
+  layout = LinenSparseEmbed(ref.FEATURES, mesh=ref.mesh(1)).plan.layout
+  batch = ref.preprocessed(raw, layout)
+  model = _Ranker()
+  state = init_linen_train_state(model, optax.sgd(0.1), jax.random.key(5), batch)
+
+  @functools.partial(jax.jit, static_argnums=4)
+  def gradients(params, embedding, batch, labels, checkpoint):
+    def loss_fn(apply, labels):
+      def loss():
+        return _squared_loss(apply, batch, labels)
+      return jax.checkpoint(loss)() if checkpoint else loss()
+
+    loss, param_grads, embedding_grads = linen_value_and_grad(model, loss_fn)(
+        params, embedding, labels)
+    return loss, param_grads, {k: g.activation_grads for k, g in embedding_grads.items()}
+
+  plain, checkpointed = (gradients(state.params, state.embedding, batch, labels, checkpoint)
+                         for checkpoint in (False, True))
+  ref.assert_trees_close(checkpointed, plain, steps=1)
