@@ -86,6 +86,17 @@ def roc_auc(labels: np.ndarray, scores: np.ndarray) -> float:
   return float((rank_sum - positives * (positives + 1) / 2.0) / (positives * negatives))
 
 
+def no_batches_error(use: str) -> ValueError:
+  """The error of evaluate or predict without a batch; with several processes, one
+  process's data without a batch leaves every process without a global batch."""
+  if jax.process_count() == 1:
+    return ValueError(f"{use} got no batches.")
+  return ValueError(
+      f"{use} got no global batch: the data of some process (logged above by the processes"
+      f" that had batches) holds none, and every global batch needs every process's slice."
+      f" Give each of the {jax.process_count()} processes its slice of every batch.")
+
+
 def evaluation_auc(labels: Sequence[Any], scores: Sequence[Any]) -> float:
   """`roc_auc` over an evaluation's batches, for `TrainerConfig.eval_metrics=("auc",)`.
 
@@ -118,7 +129,7 @@ def evaluation_metrics(per_batch: Sequence[dict[str, float]], sizes: Sequence[in
       `evaluation_auc`'s errors.
   """
   if not sizes:
-    raise ValueError("evaluate got no batches.")
+    raise no_batches_error("evaluate")
   result = {name: float(np.average([metrics[name] for metrics in per_batch], weights=sizes))
             for name in per_batch[0]}
   if "auc" in eval_metrics:

@@ -54,7 +54,7 @@ from pipelining._in_flight import (
     local_inputs,
     rows_tree,
 )
-from pipelining._metrics import evaluation_metrics
+from pipelining._metrics import evaluation_metrics, no_batches_error
 from pipelining._model import DenseModel, as_dense_model
 from pipelining._placement import any_process, global_batch, to_global, to_host
 from pipelining._prefetch import Prefetcher, Prepared
@@ -887,15 +887,25 @@ class Trainer:
     A global batch needs every process's slice: when one process's data ends,
     every process ends there (the others' remaining batches are not used).
     The same exchange agrees on a stop requested on any process meanwhile
-    (while this process waited for its data, say): it sets `_stop`.
+    (while this process waited for its data, say): it sets `_stop`. With
+    several passes (epochs), it also agrees that every process's batch is of
+    the same pass: a process whose pass held fewer batches starts its next
+    pass early, and its slices would join the others' of another global
+    batch. The processes stop there instead, as at the end of the data.
     """
     try:
       prepared = next(prefetcher)
     except StopIteration:
       prepared = None
-    ended, stop = self._any_process(prepared is None, self._stop_requested.is_set())
+    odd_pass = prepared is not None and _pass_of(prepared) % 2 == 1
+    even_pass = prepared is not None and not odd_pass
+    ended, stop, any_odd, any_even = self._any_process(
+        prepared is None, self._stop_requested.is_set(), odd_pass, even_pass)
     if stop:
       self._stop.set()  # agreed here, at no extra exchange (`Schedule.stop_agreed`)
+    if any_odd and any_even:
+      _warn_passes_out_of_step(_pass_of(prepared))
+      return None
     if ended and prepared is not None:
       _warn_data_ended_elsewhere()
       return None
@@ -977,7 +987,7 @@ class Trainer:
       predictions = [_per_sample(_host_tree(self._steps.predict(self.state, batch)),
                                  self._batch_size(), "predict") for batch in batches]
     if not predictions:
-      raise ValueError("predict got no batches.")
+      raise no_batches_error("predict")
     return jax.tree.map(lambda *leaves: np.concatenate(leaves), *predictions)
 
   # --- checkpoints, bookkeeping ---------------------------------------------------
@@ -1119,6 +1129,21 @@ class _DamagedStep(Exception):
   def __init__(self, step: int, why: str):
     super().__init__(f"checkpoint step {step} is damaged: {why}")
     self.step, self.why = step, why
+
+
+def _pass_of(prepared: Prepared) -> int:
+  """The pass over the data (0-based epoch) a prepared batch belongs to."""
+  position = prepared.position
+  return int(position.get("epoch", 0)) if isinstance(position, Mapping) else 0
+
+
+def _warn_passes_out_of_step(this_pass: int) -> None:
+  _LOG.warning(
+      "process %d: the processes' batches are of different passes over their data (this"
+      " process's is pass %d): their passes hold different numbers of batches, so the"
+      " global batches would join slices of different batches. fit stops here, as at the"
+      " end of the data. Give every process the same number of batches per pass.",
+      jax.process_index(), this_pass)
 
 
 def _warn_data_ended_elsewhere() -> None:

@@ -101,7 +101,7 @@ def run(config):
     data = data[:-1]
   if config.get("empty") == process:
     data = []
-  history = trainer.fit(data, num_steps=config.get("num_steps"),
+  history = trainer.fit(data, num_steps=config.get("num_steps"), epochs=config.get("epochs"),
                         callbacks=[Inject(config, process, config["out"])])
   result = {"losses": [m["loss"] for m in history.metrics], "final_step": history.final_step,
             "resumed_from": history.resumed_from, "interrupted": history.interrupted,

@@ -334,6 +334,24 @@ def test_the_data_ends_for_all_when_one_process_has_fewer_batches(tmp_path):
   assert "process 0: another process's data ended" in outcomes[0].stderr
 
 
+@pytest.mark.parametrize("pipelining", [False, True])
+def test_passes_of_unequal_length_stop_every_process_where_the_shortest_ends(tmp_path,
+                                                                              pipelining):
+  """With epochs=2, the process with fewer batches started its second pass while the other
+  was still in its first: steps 4 to 6 joined slices of different global batches, and the
+  job ended with exit status 0."""
+  outcomes = run_failing(tmp_path, short=1, epochs=2, pipelining=pipelining)
+  assert [o.returncode for o in outcomes] == [0, 0], describe(outcomes)
+  for process in (0, 1):
+    assert history(tmp_path, process)["final_step"] == BATCHES - 1
+    assert "batches are of different passes over their data" in outcomes[process].stderr
+  trainer = make_trainer(pipelining=pipelining)  # one process: the first pass's steps
+  reference = trainer.fit(local_batches(trainer, make_batches(BATCHES, SEED)),
+                          num_steps=BATCHES - 1)
+  assert_close(history(tmp_path, 0)["losses"], [m["loss"] for m in reference.metrics],
+               terms=TERMS, steps=BATCHES - 1)
+
+
 def test_a_synchronous_job_stopped_at_num_steps_sees_the_data_end_on_any_process(tmp_path):
   """The look past num_steps agrees on the end like a step does: one process's data ends."""
   outcomes = run_failing(tmp_path, short=1, num_steps=BATCHES - 1, pipelining=False)
