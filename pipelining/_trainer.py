@@ -903,11 +903,12 @@ class Trainer:
         prepared is None, self._stop_requested.is_set(), odd_pass, even_pass)
     if stop:
       self._stop.set()  # agreed here, at no extra exchange (`Schedule.stop_agreed`)
+    if ended:
+      if prepared is not None:
+        _warn_data_ended_elsewhere()
+      return None
     if any_odd and any_even:
       _warn_passes_out_of_step(_pass_of(prepared))
-      return None
-    if ended and prepared is not None:
-      _warn_data_ended_elsewhere()
       return None
     return prepared
 
@@ -1092,7 +1093,9 @@ def _overflow_advice(error: PartitionOverflowError, limits, tables: list[str]) -
       ("max_ids_per_partition", error.needed.max_ids_per_partition,
        limits.max_ids_per_partition),
       ("max_unique_ids_per_partition", error.needed.max_unique_ids_per_partition,
-       limits.max_unique_ids_per_partition)) if needed > limit]
+       limits.max_unique_ids_per_partition)) if needed > limit] or [
+          f"max_ids_per_partition to at least {error.needed.max_ids_per_partition}",
+          f"max_unique_ids_per_partition to at least {error.needed.max_unique_ids_per_partition}"]
   return (f"Raise the {' and '.join(raise_)} on the stack's tables {tables} (with headroom for"
           " burstier batches: size_limits_from_stats(..., headroom=1.2) computes them from a"
           " few batches), or pass allow_id_dropping=True to the Trainer to drop the excess"

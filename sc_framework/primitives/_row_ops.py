@@ -124,6 +124,7 @@ def update_rows(ops: RowOps, optimizer: OptimizerSpec, table, slots, rows, step,
   return ops.scatter_rows(table, rows, new_rows), {
       name: ops.scatter_rows(value, rows, new_slot_rows[name]) for name, value in slots.items()}
 
+
 _TARGETS = {
     "gather_rows": "sc_framework_gather_rows",
     "scatter_rows": "sc_framework_scatter_rows",
