@@ -272,9 +272,11 @@ def test_kernel_ops_have_the_xla_derivatives():
 
 
 @pytest.mark.skipif(not cpu_kernels_available(), reason="the C++ CPU kernels were not built")
-@pytest.mark.parametrize("devices", [1, 8])
-@pytest.mark.parametrize("optimizer", [SGD(0.3), RowWiseAdagrad(0.2), Adam(0.05)],
-                         ids=lambda o: o.kind)
+@pytest.mark.parametrize("devices, optimizer", [
+    *((devices, optimizer) for devices in (1, 8)
+      for optimizer in (SGD(0.3), RowWiseAdagrad(0.2), Adam(0.05))),
+    (1, Adagrad(0.2)), (1, FTRL(0.2, l1=0.01, l2=0.1)),
+], ids=lambda value: getattr(value, "kind", str(value)))
 def test_the_fused_update_vmaps_and_differentiates_as_the_xla_backend(devices, optimizer):
   """jax.vmap of the update failed on the cpu backend (an FFI call without a vmap rule), and
   jax.grad through it (a look-ahead loss) raised "cannot be differentiated"."""
