@@ -42,22 +42,39 @@ def default_to_host_devices(count: int) -> None:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
 
 
+def json_path(text: str) -> str:
+  """An argparse type: a file path whose directory exists (checked before the run,
+  not after it)."""
+  directory = os.path.dirname(os.path.abspath(text))
+  if os.path.isdir(text):
+    raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a file path")
+  if not os.path.isdir(directory):
+    raise argparse.ArgumentTypeError(f"{text!r}: its directory {directory!r} does not exist")
+  return text
+
+
 def parse_args(description: str, *, repeats: int = 10, quick_repeats: int = 3,
                argv: Sequence[str] | None = None,
-               choices: Mapping[str, Sequence[str]] | None = None) -> argparse.Namespace:
+               choices: Mapping[str, Sequence[str]] | None = None,
+               switches: Mapping[str, str] | None = None) -> argparse.Namespace:
   """Parses the common flags; `args.repeats` already accounts for --quick.
 
   `choices` adds a flag --NAME per entry, taking one of its values (the first
-  is the default).
+  is the default); `switches` adds an on/off flag --NAME per entry, with its
+  help text.
   """
   parser = argparse.ArgumentParser(description=description)
   for name, values in (choices or {}).items():
     parser.add_argument(f"--{name}", choices=tuple(values), default=values[0],
                         help=f"one of {', '.join(values)} (default {values[0]})")
-  parser.add_argument("--quick", action="store_true", help="a short run (under a minute)")
+  for name, help_text in (switches or {}).items():
+    parser.add_argument(f"--{name}", action="store_true", help=help_text)
+  parser.add_argument("--quick", action="store_true",
+                      help="a short run (a minute or two on two cores)")
   parser.add_argument("--repeats", type=int, default=None,
                       help=f"timed runs per case (default {repeats}, {quick_repeats} with --quick)")
-  parser.add_argument("--json", metavar="PATH", default=None, help="write the figures as JSON")
+  parser.add_argument("--json", metavar="PATH", type=json_path, default=None,
+                      help="write the figures as JSON (its directory must exist)")
   args = parser.parse_args(argv)
   if args.repeats is None:
     args.repeats = quick_repeats if args.quick else repeats

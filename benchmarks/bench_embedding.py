@@ -219,10 +219,10 @@ def plain_jax(num_tables, vocab, dim, ids, optimizer_kind, repeats):
 
 
 def main(argv=None):
-  system_malloc = "--system-malloc" in (argv if argv is not None else sys.argv[1:])
-  argv = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--system-malloc"]
-  args = parse_args(__doc__.split("\n\n")[0], repeats=7, quick_repeats=3, argv=argv)
-  allocator = "system" if system_malloc else ("keep" if keep_freed_memory() else "system")
+  args = parse_args(__doc__.split("\n\n")[0], repeats=7, quick_repeats=3, argv=argv,
+                    switches={"system-malloc": "measure with the default allocator (by default"
+                                               " glibc keeps freed memory for reuse on CPU)"})
+  allocator = "system" if args.system_malloc else ("keep" if keep_freed_memory() else "system")
   num_tables, vocab, dim, batch = (26, 100_000, 64, 4096) if not args.quick else (8, 50_000, 64, 1024)
   # The TorchRec figure is one of its CPU step on the full configuration.
   vs_torchrec = jax.default_backend() == "cpu" and not args.quick

@@ -167,10 +167,14 @@ def main(argv=None) -> dict:
   if jax.default_backend() != "cpu":
     print(f"memory floor skipped: it measures host memory, and JAX runs on"
           f" {jax.default_backend()!r}; run it with JAX_PLATFORMS=cpu.")
+    result["skipped"] = f"JAX runs on {jax.default_backend()!r}, not the CPU"
+    write_json(args.json, result)
     return result
   with tempfile.TemporaryDirectory() as directory:
     library = compile_floor(directory)
     if library is None:
+      result["skipped"] = "no C++ compiler found"
+      write_json(args.json, result)
       return result
     rows = [measure(library, config, optimizer, args.repeats)
             for optimizer in (SGD(LEARNING_RATE), RowWiseAdagrad(LEARNING_RATE))]

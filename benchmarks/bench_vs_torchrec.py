@@ -344,6 +344,7 @@ def main(argv=None) -> dict:
     if missing is not None:
       print(f"TorchRec comparison skipped: TorchRec is not installed ({missing}); see this"
             " script's docstring for the install recipe.")
+      result["torchrec_skipped"] = f"TorchRec is not installed ({missing})"
     else:
       import torch
       import torchrec

@@ -26,7 +26,7 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO, os.path.join(REPO, "tests", "checkpoint")]
 
-from benchmarks._common import default_to_host_devices  # noqa: E402
+from benchmarks._common import default_to_host_devices, json_path  # noqa: E402
 
 default_to_host_devices(8)  # before jax is imported
 
@@ -36,7 +36,8 @@ import fault_lib  # noqa: E402
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="fault_injection.py", description=__doc__.split("\n\n")[0], allow_abbrev=False)
-  parser.add_argument("--json", metavar="PATH", help="also write every case's result here")
+  parser.add_argument("--json", metavar="PATH", type=json_path,
+                      help="also write every case's result here")
   return parser
 
 

@@ -274,6 +274,12 @@ def parse_args(argv=None) -> argparse.Namespace:
       and args.process_id >= args.num_processes):
     parser.error(f"argument --process-id: must be < --num-processes {args.num_processes},"
                  f" got {args.process_id}")
+  from pipelining import resolve_job_settings  # the flags with the JAX_* variables
+
+  try:
+    resolve_job_settings(args.coordinator_address, args.num_processes, args.process_id)
+  except ValueError as error:
+    parser.error(f"the multi-process flags: {error}")
   return args
 
 

@@ -37,6 +37,8 @@ import numpy as np
 
 EVAL_FRACTION = 0.1
 PADDING_ID = -1
+# The generated source draws a [V, V, V] array (8 bytes a value): 512 takes 1 GiB.
+MAX_GENERATED_VOCAB = 512
 
 
 # --- the corpora ---------------------------------------------------------------
@@ -209,7 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="width of the hidden layer; 0: logits straight from the flattened"
                            " embeddings")
   parser.add_argument("--vocab", type=integer_at_least(1), default=32,
-                      help="tokens of the generated source (ignored with --text)")
+                      help=f"tokens of the generated source, at most {MAX_GENERATED_VOCAB}"
+                           " (ignored with --text)")
   parser.add_argument("--successors", type=integer_at_least(1), default=3,
                       help="possible next tokens per context of the generated source")
   parser.add_argument("--corpus-tokens", type=integer_at_least(1), default=100_000,
@@ -239,6 +242,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   if args.text is None:
     if args.vocab < 2:
       parser.error(f"--vocab must be at least 2, got {args.vocab}")
+    if args.vocab > MAX_GENERATED_VOCAB:
+      parser.error(f"--vocab must be at most {MAX_GENERATED_VOCAB} for the generated source"
+                   f" (it draws a vocab^3 array: {args.vocab ** 3 * 8 / 2**30:.1f} GiB), got"
+                   f" {args.vocab}; train on a larger vocabulary with --text")
     if args.successors > args.vocab:
       parser.error(f"--successors {args.successors} exceeds --vocab {args.vocab}")
     if args.corpus_tokens * EVAL_FRACTION <= args.seq_len + 1:

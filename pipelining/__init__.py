@@ -11,6 +11,7 @@ from pipelining._distributed import (
     barrier,
     check_agreement,
     initialize_distributed,
+    resolve_job_settings,
 )
 from pipelining._metrics import roc_auc
 from pipelining._prefetch import Prefetcher
@@ -33,6 +34,7 @@ __all__ = [
     "Prefetcher",
     "roc_auc",
     "initialize_distributed",
+    "resolve_job_settings",
     "DistributedJob",
     "DistributedError",
     "barrier",

@@ -91,8 +91,16 @@ def _from_env(value: Any, env: str, kind: type) -> Any:
   return raw
 
 
-def _resolve(coordinator_address, num_processes, process_id) -> tuple[str | None, int, int]:
-  """Arguments, else environment variables; (None, 1, 0) for a single process."""
+def resolve_job_settings(coordinator_address=None, num_processes=None,
+                         process_id=None) -> tuple[str | None, int, int]:
+  """(coordinator address, number of processes, process id) as `initialize_distributed`
+  takes them: the arguments, else the environment variables; (None, 1, 0) for a single
+  process. A program can check its flags with it before starting (examples/dlrm.py).
+
+  Raises:
+    ValueError: settings that name no job (a process id without a number of
+      processes, a missing coordinator, an id out of range), naming them.
+  """
   address = _from_env(coordinator_address, ENV_COORDINATOR_ADDRESS, str)
   count = _from_env(num_processes, ENV_NUM_PROCESSES, int)
   index = _from_env(process_id, ENV_PROCESS_ID, int)
@@ -211,7 +219,7 @@ def initialize_distributed(
   if jax.distributed.is_initialized():
     _state.timeout_s = float(timeout_s)
     return DistributedJob(jax.process_index(), jax.process_count(), int(heartbeat_timeout_s))
-  address, count, index = _resolve(coordinator_address, num_processes, process_id)
+  address, count, index = resolve_job_settings(coordinator_address, num_processes, process_id)
   _state.timeout_s = float(timeout_s)
   if count == 1:
     return DistributedJob(0, 1, int(heartbeat_timeout_s))

@@ -163,7 +163,10 @@ def _title(history: MetricsHistory, name: str) -> str:
 
 def draw(history: MetricsHistory, output: epath.PathLike, *, name: str = "training",
          loss_floor: tuple[str, float] | None = None) -> epath.Path:
-  """Draws `history` into the PNG file `output`; returns its path.
+  """Draws `history` into the image file `output`; returns its path.
+
+  The format follows the file's extension (.png, .pdf, .svg, ... as matplotlib
+  writes them; PNG without one); another extension is refused.
 
   `loss_floor` = (label, value) adds a horizontal reference line to the loss
   panel, e.g. the entropy of a synthetic data source (the best loss there is).
@@ -219,8 +222,13 @@ def draw(history: MetricsHistory, output: epath.PathLike, *, name: str = "traini
     else:
       figure.legend(handles, labels, loc="outside lower center", ncols=3, fontsize="small")
     path = epath.Path(output)
+    image_format = path.suffix.lstrip(".").lower() or "png"
+    if image_format not in figure.canvas.get_supported_filetypes():
+      raise ValueError(
+          f"{path}: matplotlib writes no {path.suffix!r} images; use one of"
+          f" {sorted('.' + kind for kind in figure.canvas.get_supported_filetypes())}.")
     with path.open("wb") as f:
-      figure.savefig(f, format="png", dpi=100)
+      figure.savefig(f, format=image_format, dpi=100)
     return path
   finally:
     plt.close(figure)

@@ -69,6 +69,11 @@ def test_an_undefined_auc_prints_valid_json(capsys):
     (["--learning-rate", "nan"], "argument --learning-rate: must be a number > 0, got nan"),
     (["--num-processes", "2", "--process-id", "2"],
      "argument --process-id: must be < --num-processes 2, got 2"),
+    # These ended in a traceback from the distributed set-up.
+    (["--process-id", "1"], "the multi-process flags: a coordinator address (None) or process"
+                            " id (1) was given but no number of processes"),
+    (["--num-processes", "2", "--process-id", "0"],
+     "the multi-process flags: num_processes=2 needs coordinator_address"),
 ])
 def test_bad_flags_give_one_line_naming_the_flag(argv, message, capsys):
   with pytest.raises(SystemExit) as exit_:

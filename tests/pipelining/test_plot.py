@@ -84,6 +84,12 @@ def test_plot_command_draws_a_workdir(tmp_path, capsys):
   assert "39 training records, 0 evaluations, 0 resumes" in capsys.readouterr().out
   assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
   assert (tmp_path / "curve.png").stat().st_size > 20_000
+  # The extension chooses the format (a .pdf once held a PNG); an unknown one is refused.
+  assert plot.main([str(tmp_path), "--output", str(tmp_path / "curve.pdf")]) == 0
+  assert (tmp_path / "curve.pdf").read_bytes()[:5] == b"%PDF-"
+  capsys.readouterr()
+  assert plot.main([str(tmp_path), "--output", str(tmp_path / "curve.xyz")]) == 1
+  assert "matplotlib writes no '.xyz' images" in capsys.readouterr().err
 
 
 def test_smoothing_is_a_debiased_moving_average():
