@@ -23,7 +23,9 @@ its checksum, which listing a step cannot see).
 from __future__ import annotations
 
 import asyncio
+import errno
 import re
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -277,20 +279,27 @@ def warn_foreign_entries(directory: epath.Path) -> list[epath.Path]:
   return foreign
 
 
-def _remove_tree(path: epath.Path) -> None:
-  """Deletes a directory whose files may vanish meanwhile: a save this process
+def _remove_tree(path: epath.Path, *, patience_s: float = 30.0) -> None:
+  """Deletes a directory whose files may change meanwhile: a save this process
   abandoned (a second Ctrl-C) may still be finishing in a background thread,
-  renaming or deleting its own files. What such a save still renames into
-  place is a step without its integrity manifest, which restores skip."""
-  for attempt in range(3):
+  writing, renaming or deleting its own files, for a few seconds. The walk is
+  tried again (a file vanished, or one was added after the walk had emptied
+  its directory) until the directory is gone or `patience_s` has passed. What
+  such a save still renames into place is a step without its integrity
+  manifest, which restores skip."""
+  deadline = time.monotonic() + patience_s
+  while True:
     try:
       path.rmtree()
       return
-    except FileNotFoundError:  # a file vanished while the walk listed it: walk again
+    except OSError as error:  # FileNotFoundError, or ENOTEMPTY from a file added meanwhile
       if not path.exists():
         return
-      if attempt == 2:
+      if not isinstance(error, FileNotFoundError) and error.errno != errno.ENOTEMPTY:
         raise
+      if time.monotonic() > deadline:
+        raise
+      time.sleep(0.2)
 
 
 def remove_unfinished_saves(directory: epath.PathLike) -> list[epath.Path]:

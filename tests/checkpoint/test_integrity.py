@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import errno
 import os
 import re
 import shutil
@@ -192,8 +193,9 @@ def test_unfinished_saves_are_removed_but_links_and_foreign_entries_are_left(roo
 def test_an_unfinished_save_still_being_finished_is_removed_while_its_files_vanish(
     root, monkeypatch):
   """A save a second Ctrl-C abandoned may still be finishing in a background thread of the
-  process, renaming its files while a new manager removes it: the new manager failed with
-  FileNotFoundError (shutil's walk listed a file the save had just renamed)."""
+  process, renaming and writing its files while a new manager removes it: the new manager
+  failed with FileNotFoundError (the walk listed a file the save had just renamed) or
+  "Directory not empty" (the save wrote a file after the walk had emptied a directory)."""
   unfinished = root / "7.orbax-checkpoint-tmp-123"
   (unfinished / "meta.orbax-checkpoint-tmp").mkdir(parents=True)
   (unfinished / "meta.orbax-checkpoint-tmp" / "data").write_text("x")
@@ -205,12 +207,15 @@ def test_an_unfinished_save_still_being_finished_is_removed_while_its_files_vani
     if len(calls) == 1:  # the save renames a directory as the walk reaches it
       os.rename(os.path.join(path, "meta.orbax-checkpoint-tmp"), os.path.join(path, "meta"))
       raise FileNotFoundError(2, "No such file or directory", "meta.orbax-checkpoint-tmp")
+    if len(calls) == 2:  # it writes a file into a directory the walk has just emptied
+      (unfinished / "meta" / "late").write_text("x")
+      raise OSError(errno.ENOTEMPTY, "Directory not empty", "meta")
     return rmtree(path, *args, **kwargs)
 
   monkeypatch.setattr(shutil, "rmtree", racing_rmtree)
   with ck.CheckpointManager(root) as mngr:
     assert mngr.latest_step() == 2
-  assert len(calls) >= 2 and not unfinished.exists()
+  assert len(calls) == 3 and not unfinished.exists()
 
 
 def test_the_reader_refuses_a_link_inside_the_item(root):
