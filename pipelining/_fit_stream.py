@@ -149,4 +149,7 @@ class FitStream:
         self._fit_data.consume()
       elif self._took_carried_stream:
         self._fit_data.drop_carry()
-    self._prefetcher.close(wait_s=0.0 if aborted else 10.0)
+    if aborted:
+      self._prefetcher.close(wait_s=0.0)
+    else:
+      self._prefetcher.close()

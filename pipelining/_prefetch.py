@@ -71,6 +71,8 @@ class _Pending(NamedTuple):
 
 
 _END = object()
+# How long close() waits for the pulling thread, which may be inside the user's iterator.
+JOIN_TIMEOUT_S = 10.0
 
 
 class Remainder(NamedTuple):
@@ -251,7 +253,7 @@ class Prefetcher:
       raise item.error
     return item
 
-  def close(self, *, wait_s: float = 10.0) -> None:
+  def close(self, *, wait_s: float = JOIN_TIMEOUT_S) -> None:
     """Stops the background thread (pending prepared batches are discarded).
 
     Waits up to `wait_s` seconds for it (it may be inside the iterator), on
@@ -263,7 +265,7 @@ class Prefetcher:
     if self._pool is not None:  # batches not started are dropped; running ones end
       self._pool.shutdown(wait=not self._on_own_thread(), cancel_futures=True)
 
-  def _stop_thread(self, wait_s: float = 10.0) -> None:
+  def _stop_thread(self, wait_s: float = JOIN_TIMEOUT_S) -> None:
     """Stops the pulling thread, waiting up to `wait_s` for it on the first call only."""
     self._stop.set()
     if not self._closed and not self._on_own_thread():

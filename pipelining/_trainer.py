@@ -1089,13 +1089,10 @@ def _fit_arguments(num_steps: int | None, epochs: int | None, eval_data: Iterabl
 
 def _overflow_advice(error: PartitionOverflowError, limits, tables: list[str]) -> str:
   """The Trainer's advice for a partition overflow: the limits that were exceeded only."""
-  raise_ = [f"{name} to at least {needed}" for name, needed, limit in (
-      ("max_ids_per_partition", error.needed.max_ids_per_partition,
-       limits.max_ids_per_partition),
-      ("max_unique_ids_per_partition", error.needed.max_unique_ids_per_partition,
-       limits.max_unique_ids_per_partition)) if needed > limit] or [
-          f"max_ids_per_partition to at least {error.needed.max_ids_per_partition}",
-          f"max_unique_ids_per_partition to at least {error.needed.max_unique_ids_per_partition}"]
+  names = ("max_ids_per_partition", "max_unique_ids_per_partition")
+  exceeded = [name for name in names
+              if getattr(error.needed, name) > getattr(limits, name)] or list(names)
+  raise_ = [f"{name} to at least {getattr(error.needed, name)}" for name in exceeded]
   return (f"Raise the {' and '.join(raise_)} on the stack's tables {tables} (with headroom for"
           " burstier batches: size_limits_from_stats(..., headroom=1.2) computes them from a"
           " few batches), or pass allow_id_dropping=True to the Trainer to drop the excess"
