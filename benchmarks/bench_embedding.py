@@ -35,7 +35,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from benchmarks._common import machine_info, parse_args, print_table, time_median  # noqa: E402
+from benchmarks._common import machine_info, parse_args, print_table, time_median, write_json  # noqa: E402
 from sc_framework import FeatureSpec, TableSpec  # noqa: E402
 from sc_framework.host_allocator import keep_freed_memory  # noqa: E402
 from sc_framework.optimizers import SGD, RowWiseAdagrad  # noqa: E402
@@ -272,14 +272,11 @@ def main(argv=None):
   print_table(sweep, [("total_rows", "total rows", "d"), ("ours_ms", "ours ms/step", ".1f"),
                       ("plain_jax_ms", "plain JAX ms", ".1f"), ("speedup", "plain/ours", ".2f")])
   result = {"benchmark": "embedding", "quick": args.quick, "backend": backend,
-            "host_allocator": allocator, "parts_ms": part_ms, "cases": rows, "sweep": sweep,
-            "machine": machine_info()}
+            "host_allocator": allocator, "parts_ms": part_ms, "cases": rows, "sweep": sweep}
   if vs_torchrec:
     result["torchrec_rowwise_adagrad_ms"] = TORCHREC_ROWWISE_ADAGRAD_MS
-  print(json.dumps(result))
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(result, f, indent=1)
+  print(json.dumps({**result, "machine": machine_info()}))
+  write_json(args.json, result)
 
 
 if __name__ == "__main__":

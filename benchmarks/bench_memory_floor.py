@@ -101,6 +101,8 @@ class Floor:
     self.entry_rows = np.ascontiguousarray(unique_rows[index].astype(np.int32))
     self.unique_rows = np.ascontiguousarray(unique_rows[unique_rows >= 0].astype(np.int32))
     self.samples = int(sum(f.output_shape[0] for f in ours.plan.feature_specs))
+    # Padding entries name the sample one past the last (GatherSum stops before them).
+    self.valid_entries = int((self.entry_samples < self.samples).sum())
     self.out = np.empty((self.samples, self.table.shape[1]), np.float32)
     self.threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
         os.cpu_count() or 1)
@@ -149,7 +151,7 @@ def measure(library, config, optimizer, repeats: int) -> dict:
   floor_step = ms["floor_lookup"] + ms["floor_update"]
   return {
       "optimizer": type(optimizer).__name__, "backend": ours.backend,
-      "touched_rows": int(floor.unique_rows.size), "entries": int((floor.entry_rows >= 0).sum()),
+      "touched_rows": int(floor.unique_rows.size), "entries": floor.valid_entries,
       **{f"{case}_{key}": value for case, t in timing.items() for key, value in t.items()},
       "lookup_ratio": ms["ours_lookup"] / ms["floor_lookup"],
       "update_ratio": ms["ours_update"] / ms["floor_update"],

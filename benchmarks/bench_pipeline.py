@@ -70,7 +70,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import linen as nn  # noqa: E402
 
-from benchmarks._common import machine_info, parse_args, print_table, time_median  # noqa: E402
+from benchmarks._common import machine_info, parse_args, print_table, time_median, write_json  # noqa: E402
 from examples import dlrm  # noqa: E402
 from pipelining import Callback, Prefetcher, Trainer  # noqa: E402
 from pipelining._model import as_dense_model  # noqa: E402
@@ -402,12 +402,9 @@ def main(argv=None):
   workers = int(args.prefetch_workers)
   results = [run_case(CASES[name](args.quick), args.repeats, workers) for name in names]
   out = {"benchmark": "pipeline", "quick": args.quick, "prefetch_workers": workers,
-         "configs": results,
-         "machine": machine_info()}
-  print(json.dumps(out))
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(out, f, indent=1)
+         "configs": results}
+  print(json.dumps({**out, "machine": machine_info()}))
+  write_json(args.json, out)
 
 
 if __name__ == "__main__":

@@ -377,6 +377,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   import jax
   import optax
 
+  from checkpoint import IncompatibleCheckpointError
   from pipelining import Trainer
   from pipelining.plot import plot_workdir
   from sc_framework.preprocessing import collect_stats, size_limits_from_stats
@@ -418,8 +419,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   else:
     report(f"resuming from step {start_step}", flush=True)
   clock = StepClock()
-  history = trainer.fit(train, num_steps=start_step + args.steps, eval_data=evaluation,
-                        eval_every=args.eval_every, callbacks=[clock])
+  try:
+    history = trainer.fit(train, num_steps=start_step + args.steps, eval_data=evaluation,
+                          eval_every=args.eval_every, callbacks=[clock])
+  except IncompatibleCheckpointError as error:  # flags other than the checkpoint's
+    _parser().error(f"argument --workdir: {error}")
   # fit evaluates at its end unless it was interrupted or trained nothing new.
   ran_final = history.evaluations and history.evaluations[-1][0] == history.final_step
   after = history.evaluations[-1][1] if ran_final else trainer.evaluate(evaluation)

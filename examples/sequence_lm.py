@@ -285,6 +285,7 @@ def main(argv=None) -> dict[str, Any]:
   import jax
   import optax
 
+  from checkpoint import IncompatibleCheckpointError
   from pipelining import Trainer
 
   if args.batch_size % jax.device_count():
@@ -318,7 +319,10 @@ def main(argv=None) -> dict[str, Any]:
   else:
     print(f"resuming from step {start_step}", flush=True)
   started = time.perf_counter()
-  history = trainer.fit(train, num_steps=start_step + args.steps)
+  try:
+    history = trainer.fit(train, num_steps=start_step + args.steps)
+  except IncompatibleCheckpointError as error:  # flags other than the checkpoint's
+    parser.error(f"--workdir {args.workdir}: {error}")
   elapsed = time.perf_counter() - started
   after_loss = trainer.evaluate(evaluation)["loss"]
   after = math.exp(after_loss)

@@ -11,8 +11,9 @@ atomically):
               dense features, labels and the raw ids);
   meta        JSON: format, step, data position, mode, whether in_flight
               exists and its ids' widths ("in_flight_ids": feature ->
-              {"width", "weights", "table", "combiner"}: the last two say how
-              its activations were looked up; older checkpoints lack them).
+              {"width", "weights", "table", "combiner", "batch_size"}: table
+              and combiner say how its activations were looked up, batch_size
+              is the feature's global batch; older checkpoints lack them).
 
 Formats. "sc_framework.trainer/2" (written now) resumes on any device count,
 shards per device, stacking and process count. "sc_framework.trainer/1"
@@ -244,7 +245,7 @@ class TrainerCheckpoints:
       specs = {spec.name: spec for spec in self._plan.feature_specs}
       meta["in_flight_ids"] = {
           name: {"width": int(entry["ids"].shape[1]), "weights": "weights" in entry,
-                 **_looked_up_as(specs[name])}
+                 "batch_size": int(entry["ids"].shape[0]), **_looked_up_as(specs[name])}
           for name, entry in in_flight.ids.items()}
       items["in_flight"] = ocp.args.StandardSave(in_flight._asdict())
     elif in_flight is not None:
@@ -391,6 +392,8 @@ class TrainerCheckpoints:
             f" features {saved}, but the Trainer has the features {expected}. Resume with the"
             " feature specs the checkpoint was written with."
         )
+      _check_same_batch_size(step, self.directory, meta["in_flight_ids"],
+                             self._plan.feature_specs)
       _check_looked_up_alike(step, self.directory, meta["in_flight_ids"],
                              self._plan.feature_specs)
       replicated = NamedSharding(self._plan.mesh, PartitionSpec())
@@ -421,6 +424,27 @@ def _looked_up_as(spec) -> dict[str, str]:
   if spec.sequence_length is not None:
     return {"table": spec.table.name}
   return {"table": spec.table.name, "combiner": spec.table.combiner}
+
+
+def _check_same_batch_size(step: int, directory: epath.Path,
+                           saved: dict[str, dict[str, Any]], specs) -> None:
+  """Refuses an in-flight batch of another (global) batch size than the specs'.
+
+  The first resumed step applies it with the step compiled for the specs'
+  batch; its activations, dense features and labels have the size it was
+  written with.
+  """
+  changed = {spec.name: (saved[spec.name]["batch_size"], spec.batch_size) for spec in specs
+             if saved[spec.name].get("batch_size", spec.batch_size) != spec.batch_size}
+  if changed:
+    name, (then, now) = next(iter(changed.items()))
+    raise IncompatibleCheckpointError(
+        f"checkpoint step {step} in {directory} holds an in-flight batch of {then} samples"
+        f" (feature {name!r}), but the Trainer's batches have {now}: the first resumed step"
+        f" applies that batch as it is. Resume with batch size {then}; change the batch size"
+        " at a checkpoint without a batch in flight (one written with pipelining off, or by"
+        " a fit that ran to the end of its data)."
+    )
 
 
 def _check_looked_up_alike(step: int, directory: epath.Path,

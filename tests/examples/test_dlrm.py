@@ -97,6 +97,18 @@ def test_a_workdir_that_is_a_file_gives_one_line_naming_it(tmp_path, capsys):
   assert blocker.read_text() == "a file, not a directory"
 
 
+def test_a_resume_with_another_batch_size_gives_one_line_naming_both(tmp_path, capsys):
+  """It printed the Trainer's IncompatibleCheckpointError as a traceback."""
+  small_run(tmp_path, 2)  # its last checkpoint holds the pipelined batch in flight
+  capsys.readouterr()
+  with pytest.raises(SystemExit) as exit_:
+    dlrm.main(["--steps", "1", *SMALL, "--batch-size", "128", "--workdir", str(tmp_path)])
+  assert exit_.value.code == 2
+  error = capsys.readouterr().err.strip().splitlines()[-1]
+  assert "argument --workdir: checkpoint step 2" in error, error
+  assert "in-flight batch of 64 samples" in error and "batches have 128" in error, error
+
+
 def test_a_workdir_with_glob_characters_gives_one_line_naming_it(tmp_path, capsys):
   """It failed after start-up with a traceback from the checkpoint manager."""
   with pytest.raises(SystemExit) as exit_:

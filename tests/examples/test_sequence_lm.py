@@ -68,3 +68,15 @@ def test_a_workdir_that_is_a_file_is_refused_naming_it(tmp_path, capsys):
   assert exit_info.value.code == 2
   error = capsys.readouterr().err.strip().splitlines()[-1]
   assert f"argument --workdir: {str(blocker)!r} exists and is not a directory" in error
+
+
+def test_a_resume_with_another_batch_size_gives_one_line_naming_both(tmp_path, capsys):
+  """It printed the Trainer's IncompatibleCheckpointError as a traceback."""
+  sequence_lm.main(SMALL + ["--steps", "2", "--workdir", str(tmp_path)])
+  capsys.readouterr()
+  with pytest.raises(SystemExit) as exit_info:
+    sequence_lm.main(SMALL + ["--steps", "1", "--batch-size", "64", "--workdir", str(tmp_path)])
+  assert exit_info.value.code == 2
+  error = capsys.readouterr().err.strip().splitlines()[-1]
+  assert f"--workdir {tmp_path}: checkpoint step 2" in error, error
+  assert "in-flight batch of 32 samples" in error and "batches have 64" in error, error

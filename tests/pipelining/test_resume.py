@@ -792,6 +792,33 @@ def test_resuming_without_a_table_of_the_checkpoint_is_refused_naming_it(tmp_pat
     assert sorted(manager.restore(3, TableRestore())["embedding"].tables) == ["a", "b", "c"]
 
 
+def test_an_in_flight_batch_of_another_batch_size_is_refused_and_the_advice_works(tmp_path):
+  """A resume with a larger batch failed deep in Orbax's shape check, naming the
+  activations' shapes; the refusal names the two batch sizes and what to do, and
+  what it says to do (resume once with pipelining off) lets the batch change."""
+  import dataclasses
+  from checkpoint import IncompatibleCheckpointError
+  specs = make_specs(SGD(0.3))
+  batches = make_batches(6, seed=7)
+  make_trainer(tmp_path, True, specs).fit(batches, num_steps=3)  # batch 4 in flight
+  tables = {f.table.name: dataclasses.replace(f.table, max_ids_per_partition=128,
+                                              max_unique_ids_per_partition=128) for f in specs}
+  doubled = [dataclasses.replace(f, table=tables[f.table.name], output_shape=None,
+                                input_shape=(2 * f.input_shape[0], *f.input_shape[1:]))
+             for f in specs]
+  larger = [{"sparse": {k: np.concatenate([v, v]) for k, v in b["sparse"].items()},
+             "dense": np.concatenate([b["dense"], b["dense"]]),
+             "labels": np.concatenate([b["labels"], b["labels"]])} for b in batches]
+  with pytest.raises(IncompatibleCheckpointError,
+                     match=r"step 3 .* in-flight batch of 8 samples \(feature 'fa'\), but the"
+                           r" Trainer's batches have 16: .* Resume with batch size 8"):
+    make_trainer(tmp_path, True, doubled).fit(larger)
+  history = make_trainer(tmp_path, False, specs).fit(batches, num_steps=4)
+  assert history.resumed_from == 3 and history.final_step == 4
+  history = make_trainer(tmp_path, True, doubled).fit(larger, num_steps=5)
+  assert history.resumed_from == 4 and history.final_step == 5
+
+
 def test_an_in_flight_batch_looked_up_with_another_combiner_is_refused(tmp_path):
   """Its activations (summed) were applied by the first resumed step, whose update then
   followed the new combiner (mean): one step mixed the two silently."""
