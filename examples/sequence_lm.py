@@ -310,14 +310,14 @@ def main(argv=None) -> dict[str, Any]:
   train = Windows(corpus["train"], args.batch_size, args.seq_len, seed=args.seed)
   evaluation = Windows(corpus["eval"], args.batch_size, args.seq_len, seed=args.seed + 10_000,
                        num_batches=args.eval_batches)
-  start_step = trainer.latest_checkpoint_step() or 0
-  before = None  # fit restores a checkpoint; the untrained model exists only on a fresh run
-  if start_step == 0:
-    before = math.exp(trainer.evaluate(evaluation)["loss"])
-    print(f"before training: perplexity {before:.3f} (uniform guess: {corpus['vocab']})",
-          flush=True)
-  else:
+  # With checkpoints in the workdir, evaluate adopts the newest that restores
+  # (one found damaged is skipped), the step fit then resumes from.
+  before = math.exp(trainer.evaluate(evaluation)["loss"])
+  start_step = int(trainer.state.step)
+  if start_step:
     print(f"resuming from step {start_step}", flush=True)
+  print(f"before training: perplexity {before:.3f} (uniform guess: {corpus['vocab']})",
+        flush=True)
   started = time.perf_counter()
   try:
     history = trainer.fit(train, num_steps=start_step + args.steps)
@@ -331,7 +331,7 @@ def main(argv=None) -> dict[str, Any]:
   entropy = corpus["entropy"]
   result = {
       "steps": history.final_step,
-      "perplexity_before": None if before is None else round(before, 4),
+      "perplexity_before": round(before, 4),
       "perplexity_after": round(after, 4),
       "loss": round(after_loss, 5),
       "source_entropy": None if entropy is None else round(entropy, 5),

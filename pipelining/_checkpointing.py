@@ -11,9 +11,10 @@ atomically):
               dense features, labels and the raw ids);
   meta        JSON: format, step, data position, mode, whether in_flight
               exists and its ids' widths ("in_flight_ids": feature ->
-              {"width", "weights", "table", "combiner", "batch_size"}: table
-              and combiner say how its activations were looked up, batch_size
-              is the feature's global batch; older checkpoints lack them).
+              {"width", "weights", "table", "combiner", "batch_size",
+              "sequence_length"}: table and combiner say how its activations
+              were looked up, the last two give their shape (global batch;
+              null for a pooled feature); older checkpoints lack them).
 
 Formats. "sc_framework.trainer/2" (written now) resumes on any device count,
 shards per device, stacking and process count. "sc_framework.trainer/1"
@@ -245,7 +246,8 @@ class TrainerCheckpoints:
       specs = {spec.name: spec for spec in self._plan.feature_specs}
       meta["in_flight_ids"] = {
           name: {"width": int(entry["ids"].shape[1]), "weights": "weights" in entry,
-                 "batch_size": int(entry["ids"].shape[0]), **_looked_up_as(specs[name])}
+                 "batch_size": int(entry["ids"].shape[0]),
+                 "sequence_length": specs[name].sequence_length, **_looked_up_as(specs[name])}
           for name, entry in in_flight.ids.items()}
       items["in_flight"] = ocp.args.StandardSave(in_flight._asdict())
     elif in_flight is not None:
@@ -392,8 +394,8 @@ class TrainerCheckpoints:
             f" features {saved}, but the Trainer has the features {expected}. Resume with the"
             " feature specs the checkpoint was written with."
         )
-      _check_same_batch_size(step, self.directory, meta["in_flight_ids"],
-                             self._plan.feature_specs)
+      _check_same_batch_shape(step, self.directory, meta["in_flight_ids"],
+                              self._plan.feature_specs)
       _check_looked_up_alike(step, self.directory, meta["in_flight_ids"],
                              self._plan.feature_specs)
       replicated = NamedSharding(self._plan.mesh, PartitionSpec())
@@ -426,24 +428,33 @@ def _looked_up_as(spec) -> dict[str, str]:
   return {"table": spec.table.name, "combiner": spec.table.combiner}
 
 
-def _check_same_batch_size(step: int, directory: epath.Path,
-                           saved: dict[str, dict[str, Any]], specs) -> None:
-  """Refuses an in-flight batch of another (global) batch size than the specs'.
+def _check_same_batch_shape(step: int, directory: epath.Path,
+                            saved: dict[str, dict[str, Any]], specs) -> None:
+  """Refuses an in-flight batch of another (global) batch size, or a sequence
+  feature's of another sequence length, than the specs give.
 
   The first resumed step applies it with the step compiled for the specs'
-  batch; its activations, dense features and labels have the size it was
-  written with.
+  shapes; its activations, dense features and labels have the shapes it was
+  written with. (Older checkpoints record neither: Orbax's shape check refuses.)
   """
-  changed = {spec.name: (saved[spec.name]["batch_size"], spec.batch_size) for spec in specs
-             if saved[spec.name].get("batch_size", spec.batch_size) != spec.batch_size}
+  changed = []
+  for spec in specs:
+    entry = saved[spec.name]
+    if "batch_size" not in entry:
+      continue
+    if entry["batch_size"] != spec.batch_size and not changed:
+      changed.append(f"{entry['batch_size']} samples then, {spec.batch_size} now (feature"
+                     f" {spec.name!r})")
+    if entry.get("sequence_length") != spec.sequence_length:
+      changed.append(f"feature {spec.name!r}: sequence length {entry.get('sequence_length')}"
+                     f" then, {spec.sequence_length} now")
   if changed:
-    name, (then, now) = next(iter(changed.items()))
     raise IncompatibleCheckpointError(
-        f"checkpoint step {step} in {directory} holds an in-flight batch of {then} samples"
-        f" (feature {name!r}), but the Trainer's batches have {now}: the first resumed step"
-        f" applies that batch as it is. Resume with batch size {then}; change the batch size"
-        " at a checkpoint without a batch in flight (one written with pipelining off, or by"
-        " a fit that ran to the end of its data)."
+        f"checkpoint step {step} in {directory} holds an in-flight batch of other shapes than"
+        f" the Trainer's ({'; '.join(changed)}): the first resumed step would apply it as it"
+        " is. Resume with the batch size and sequence lengths it was written with; change"
+        " them at a checkpoint without a batch in flight (resume once with pipelining off for"
+        " a step, or use one written by a fit that ran to the end of its data)."
     )
 
 

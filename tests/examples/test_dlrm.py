@@ -43,6 +43,21 @@ def test_trains_resumes_and_plots_the_whole_history(tmp_path):
   assert {5, 10, 12, 15, 16} <= set(evaluated)
 
 
+def test_a_resume_past_a_damaged_step_trains_steps_more_from_the_step_restored(tmp_path, capsys):
+  """It printed "resuming from step 4" (the damaged step) and trained 4 + 3 - 2 = 5 steps."""
+  dlrm.main(["--steps", "4", *SMALL, "--save-every", "2", "--workdir", str(tmp_path)])
+  chunk = next(path for path in sorted((tmp_path / "checkpoints" / "4" / "embedding").rglob("*"))
+               if path.is_file() and "/c/" in str(path))
+  data = bytearray(chunk.read_bytes())
+  data[len(data) // 2] ^= 0x5A
+  chunk.write_bytes(bytes(data))
+  capsys.readouterr()
+  with pytest.warns(RuntimeWarning, match="is skipped: a restore found it damaged"):
+    result = small_run(tmp_path, 3)
+  assert "resuming from step 2\n" in capsys.readouterr().out
+  assert result["steps"] == 5
+
+
 def test_zero_steps_neither_trains_nor_fails(tmp_path):
   result = small_run(tmp_path, 0)
   assert result["steps"] == 0 and result["examples_per_sec"] is None
@@ -106,7 +121,7 @@ def test_a_resume_with_another_batch_size_gives_one_line_naming_both(tmp_path, c
   assert exit_.value.code == 2
   error = capsys.readouterr().err.strip().splitlines()[-1]
   assert "argument --workdir: checkpoint step 2" in error, error
-  assert "in-flight batch of 64 samples" in error and "batches have 128" in error, error
+  assert "in-flight batch of other shapes" in error and "64 samples then, 128 now" in error, error
 
 
 def test_a_workdir_with_glob_characters_gives_one_line_naming_it(tmp_path, capsys):

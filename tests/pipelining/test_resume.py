@@ -810,8 +810,9 @@ def test_an_in_flight_batch_of_another_batch_size_is_refused_and_the_advice_work
              "dense": np.concatenate([b["dense"], b["dense"]]),
              "labels": np.concatenate([b["labels"], b["labels"]])} for b in batches]
   with pytest.raises(IncompatibleCheckpointError,
-                     match=r"step 3 .* in-flight batch of 8 samples \(feature 'fa'\), but the"
-                           r" Trainer's batches have 16: .* Resume with batch size 8"):
+                     match=r"step 3 .* in-flight batch of other shapes than the Trainer's \(8"
+                           r" samples then, 16 now \(feature 'fa'\)\): .* Resume with the batch"
+                           r" size"):
     make_trainer(tmp_path, True, doubled).fit(larger)
   history = make_trainer(tmp_path, False, specs).fit(batches, num_steps=4)
   assert history.resumed_from == 3 and history.final_step == 4
