@@ -1,4 +1,4 @@
-"""The training picture of a workdir: `python -m pipelining.plot WORKDIR [--output PNG]`.
+"""The training picture of a workdir: `python -m pipelining.plot WORKDIR [--output FILE]`.
 
 Reads the workdir's metrics.jsonl (the records `Trainer.fit` appends, see
 `pipelining._progress`) across every run that resumed in it, and draws with
@@ -253,14 +253,15 @@ def plot_workdir(workdir: epath.PathLike, output: epath.PathLike | None = None, 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  """`python -m pipelining.plot WORKDIR [--output PNG]`; returns the exit status."""
+  """`python -m pipelining.plot WORKDIR [--output FILE]`; returns the exit status."""
   parser = argparse.ArgumentParser(
       prog="python -m pipelining.plot",
       description="Plot a Trainer workdir's metrics.jsonl (also while the job runs).",
       allow_abbrev=False,
   )
   parser.add_argument("workdir", help="the Trainer's workdir (or its metrics.jsonl)")
-  parser.add_argument("--output", help="PNG file to write (default: WORKDIR/training_curve.png)")
+  parser.add_argument("--output", help="image file to write, in the format its extension names:"
+                      " .png, .svg, .pdf, ... (default: WORKDIR/training_curve.png)")
   args = parser.parse_args(argv)
   try:
     path, history = plot_workdir(args.workdir, args.output)
