@@ -538,6 +538,11 @@ def _positions_of(value: FeatureInput, owner: str):
   """
   if isinstance(value, SparseIds):
     samples, positions, values, weights, shape = _coo_sorted(value, owner)
+    if len(shape) != 2:  # as a dense [B] array is refused below
+      raise ValueError(
+          f"{owner}: a sequence feature's COO ids must have dense_shape (B, L) with indices"
+          f" [nnz, 2] of (sample, position), got dense_shape {shape}."
+      )
     return samples, positions, values, weights, shape[0]
   ids = _unmasked(value.ids if isinstance(value, DenseIds) else value, owner, "ids")
   ragged = isinstance(value, (RaggedIds, RaggedRows)) or isinstance(ids, (list, tuple)) or (

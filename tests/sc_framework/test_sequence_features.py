@@ -298,6 +298,11 @@ def test_bad_sequence_inputs_name_the_feature_and_position():
     flatten_input(bad, feature)
   with pytest.raises(ValueError, match=r"dense ids must have shape \[B, L\]"):
     flatten_input(np.zeros(BATCH, np.int64), feature)
+  # The COO form of the same [B] ids is refused alike (it put every id at position 0).
+  with pytest.raises(ValueError, match=r"COO ids must have dense_shape \(B, L\) .* got"
+                                       r" dense_shape \(16,\)"):
+    flatten_input(SparseIds(np.arange(BATCH)[:, None], np.zeros(BATCH, np.int64), (BATCH,)),
+                  feature)
   with pytest.raises(ValueError, match=r"got a batch of 3 samples"):
     flatten_input(np.zeros((3, LENGTH), np.int64), feature)
 
