@@ -13,6 +13,9 @@ tests start (multiprocess jobs, killed workers) do not use it.
 """
 
 import atexit
+import glob
+import importlib.util
+import mmap
 import os
 import shutil
 import tempfile
@@ -20,6 +23,26 @@ import tempfile
 _FLAG = "--xla_force_host_platform_device_count=8"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+
+# The 8 devices' threads meet in every collective; XLA ends the process when
+# one has not arrived after 40 s, which a machine busy with other work (8
+# device threads per test process on 2 cores) can reach. Patience instead,
+# where this jaxlib knows the flag (XLA refuses unknown flags).
+_PATIENCE = "xla_cpu_collective_call_terminate_timeout_seconds"
+
+
+def _jaxlib_knows(flag: str) -> bool:
+  spec = importlib.util.find_spec("jaxlib")
+  for folder in spec.submodule_search_locations if spec else ():
+    for library in glob.glob(os.path.join(folder, "*.so")):
+      with open(library, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        if data.find(flag.encode()) >= 0:
+          return True
+  return False
+
+
+if _PATIENCE not in os.environ.get("XLA_FLAGS", "") and _jaxlib_knows(_PATIENCE):
+  os.environ["XLA_FLAGS"] += f" --{_PATIENCE}=900"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 _XLA_CACHE = tempfile.mkdtemp(prefix="sc-framework-tests-xla-cache-")
