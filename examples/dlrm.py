@@ -412,15 +412,15 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                           samples=samples)
   evaluation = SyntheticCriteo(args.batch_size, args.eval_batches, seed=args.seed + 10_000,
                                vocab_scale=args.vocab_scale, samples=samples)
-  # With checkpoints in the workdir, evaluate adopts the newest that restores
-  # (one found damaged is skipped), the step fit then resumes from.
-  before = trainer.evaluate(evaluation)
-  start_step = int(trainer.state.step)
-  if start_step:
-    report(f"resuming from step {start_step}", flush=True)
-  report(f"before training: loss {before['loss']:.4f}  auc {before['auc']:.4f}", flush=True)
-  clock = StepClock()
   try:
+    # With checkpoints in the workdir, evaluate adopts the newest that restores
+    # (one found damaged is skipped), the step fit then resumes from.
+    before = trainer.evaluate(evaluation)
+    start_step = int(trainer.state.step)
+    if start_step:
+      report(f"resuming from step {start_step}", flush=True)
+    report(f"before training: loss {before['loss']:.4f}  auc {before['auc']:.4f}", flush=True)
+    clock = StepClock()
     history = trainer.fit(train, num_steps=start_step + args.steps, eval_data=evaluation,
                           eval_every=args.eval_every, callbacks=[clock])
   except IncompatibleCheckpointError as error:  # flags other than the checkpoint's

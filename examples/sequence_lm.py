@@ -310,20 +310,20 @@ def main(argv=None) -> dict[str, Any]:
   train = Windows(corpus["train"], args.batch_size, args.seq_len, seed=args.seed)
   evaluation = Windows(corpus["eval"], args.batch_size, args.seq_len, seed=args.seed + 10_000,
                        num_batches=args.eval_batches)
-  # With checkpoints in the workdir, evaluate adopts the newest that restores
-  # (one found damaged is skipped), the step fit then resumes from.
-  before = math.exp(trainer.evaluate(evaluation)["loss"])
-  start_step = int(trainer.state.step)
-  if start_step:
-    print(f"resuming from step {start_step}", flush=True)
-  print(f"before training: perplexity {before:.3f} (uniform guess: {corpus['vocab']})",
-        flush=True)
-  started = time.perf_counter()
   try:
+    # With checkpoints in the workdir, evaluate adopts the newest that restores
+    # (one found damaged is skipped), the step fit then resumes from.
+    before = math.exp(trainer.evaluate(evaluation)["loss"])
+    start_step = int(trainer.state.step)
+    if start_step:
+      print(f"resuming from step {start_step}", flush=True)
+    print(f"before training: perplexity {before:.3f} (uniform guess: {corpus['vocab']})",
+          flush=True)
+    started = time.perf_counter()
     history = trainer.fit(train, num_steps=start_step + args.steps)
+    elapsed = time.perf_counter() - started
   except IncompatibleCheckpointError as error:  # flags other than the checkpoint's
     parser.error(f"--workdir {args.workdir}: {error}")
-  elapsed = time.perf_counter() - started
   after_loss = trainer.evaluate(evaluation)["loss"]
   after = math.exp(after_loss)
   print(f"after training: perplexity {after:.3f} (loss {after_loss:.4f} nats/token)", flush=True)

@@ -437,17 +437,12 @@ def _check_same_batch_shape(step: int, directory: epath.Path,
   shapes; its activations, dense features and labels have the shapes it was
   written with. (Older checkpoints record neither: Orbax's shape check refuses.)
   """
-  changed = []
-  for spec in specs:
-    entry = saved[spec.name]
-    if "batch_size" not in entry:
-      continue
-    if entry["batch_size"] != spec.batch_size and not changed:
-      changed.append(f"{entry['batch_size']} samples then, {spec.batch_size} now (feature"
-                     f" {spec.name!r})")
-    if entry.get("sequence_length") != spec.sequence_length:
-      changed.append(f"feature {spec.name!r}: sequence length {entry.get('sequence_length')}"
-                     f" then, {spec.sequence_length} now")
+  recorded = [(spec, saved[spec.name]) for spec in specs if "batch_size" in saved[spec.name]]
+  changed = [f"{entry['batch_size']} samples then, {spec.batch_size} now (feature {spec.name!r})"
+             for spec, entry in recorded if entry["batch_size"] != spec.batch_size][:1]
+  changed += [f"feature {spec.name!r}: sequence length {entry['sequence_length']} then,"
+              f" {spec.sequence_length} now"
+              for spec, entry in recorded if entry["sequence_length"] != spec.sequence_length]
   if changed:
     raise IncompatibleCheckpointError(
         f"checkpoint step {step} in {directory} holds an in-flight batch of other shapes than"

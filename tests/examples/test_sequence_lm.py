@@ -81,3 +81,17 @@ def test_a_resume_with_another_batch_size_gives_one_line_naming_both(tmp_path, c
   error = capsys.readouterr().err.strip().splitlines()[-1]
   assert f"--workdir {tmp_path}: checkpoint step 2" in error, error
   assert "in-flight batch of other shapes" in error and "32 samples then, 64 now" in error, error
+
+
+def test_a_resume_with_another_sequence_length_gives_one_line(tmp_path, capsys):
+  """The hidden layer's input grows with --seq-len: the checkpoint's dense item no
+  longer fits, which evaluate (adopting the checkpoint) printed as a traceback."""
+  sequence_lm.main(SMALL + ["--steps", "2", "--workdir", str(tmp_path)])
+  capsys.readouterr()
+  with pytest.raises(SystemExit) as exit_info:
+    sequence_lm.main(SMALL + ["--steps", "1", "--seq-len", "6", "--workdir", str(tmp_path)])
+  assert exit_info.value.code == 2
+  error = capsys.readouterr().err.strip().splitlines()[-1]
+  assert f"--workdir {tmp_path}: checkpoint {tmp_path}" in error, error
+  assert "params/Dense_0/kernel is stored with shape (32, 32) but the model asks for (48, 32)" \
+      in error, error
