@@ -67,7 +67,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from checkpoint import _direct, _integrity, _optimizers, _save, _storage
+from checkpoint import _direct, _integrity, _optimizers, _save, _steps, _storage
 from checkpoint._direct import ChunkCache
 from checkpoint._format import MANIFEST_FILE, Manifest, array_dir, new_save_id, numpy_dtype
 from checkpoint._assembly import assemble_stacked, build_block
@@ -88,7 +88,6 @@ from sc_framework.stacking import EmbeddingLayout
 ConversionProgress = Callable[[int, int, str], None]
 """progress(bytes_done, bytes_total, what): called after every block written."""
 
-_TMP_SUFFIX = ocp.path.atomicity.TMP_DIR_SUFFIX
 # Written first into a conversion's temporary directory (the host and process
 # id of the conversion) and removed just before it is renamed into place. A
 # temporary directory holding it whose process has ended was left by an
@@ -325,7 +324,7 @@ def _fresh_temporary_directory(dst: epath.Path) -> epath.Path:
   conversion still running, one of another host, another writer's
   unfinished step -- is refused, never deleted.
   """
-  tmp = dst.parent / (dst.name + _TMP_SUFFIX)
+  tmp = dst.parent / (dst.name + _steps.TMP_SUFFIX)
   if _integrity.is_link(tmp) or tmp.exists():
     owner = _conversion_owner(tmp)
     if owner is None or owner["host"] != socket.gethostname() or _process_alive(owner["pid"]):
@@ -569,7 +568,7 @@ def _copy_other_items(src: epath.Path, dst: epath.Path, *, skip: str, leave: set
   for child in src.iterdir():
     if child.name in (skip, _integrity.INTEGRITY_FILE) or os.fspath(child) in leave:
       continue
-    if os.path.islink(os.fspath(child)):  # False for cloud paths, which have no links
+    if _integrity.is_link(child):
       raise ValueError(
           f"the checkpoint contains a symbolic link {child}; a checkpoint is plain files and"
           " directories, so it is not followed. Replace the link by a copy of its target (or"

@@ -49,8 +49,8 @@ from etils import epath
 from checkpoint._errors import CorruptCheckpointError, read_error, storage_failure
 
 INTEGRITY_FILE = "integrity.json"
-FORMAT_NAME = "sc_framework.step_integrity"
-FORMAT_VERSION = 1
+INTEGRITY_FORMAT_NAME = "sc_framework.step_integrity"
+INTEGRITY_FORMAT_VERSION = 1
 # Written or rewritten by Orbax's commit after the manifest; never read as data.
 ORBAX_STEP_METADATA = "_CHECKPOINT_METADATA"  # Orbax's step metadata: items, their handlers
 COMMIT_FILES = frozenset({ORBAX_STEP_METADATA, "commit_success.txt"})
@@ -252,8 +252,8 @@ def manifest_json(files: dict[str, FileEntry]) -> str:
   entries = {rel: _entry_to_dict(entry) for rel, entry in sorted(files.items())}
   return json.dumps(
       {
-          "format": FORMAT_NAME,
-          "format_version": FORMAT_VERSION,
+          "format": INTEGRITY_FORMAT_NAME,
+          "format_version": INTEGRITY_FORMAT_VERSION,
           "files": entries,
           "digest": _digest(entries),
       },
@@ -287,7 +287,7 @@ def read_manifest(step_dir: epath.Path) -> dict[str, FileEntry]:
   try:
     data = json.loads(path.read_text())
     entries = data["files"]
-    if data.get("format") != FORMAT_NAME or data.get("format_version") != FORMAT_VERSION:
+    if data.get("format") != INTEGRITY_FORMAT_NAME or data.get("format_version") != INTEGRITY_FORMAT_VERSION:
       raise ValueError(f"format {data.get('format')!r} version {data.get('format_version')!r}")
     if data.get("digest") != _digest(entries):
       raise ValueError("its digest does not match its entries")

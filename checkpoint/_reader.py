@@ -415,7 +415,7 @@ def _index_tables(
   """table -> (group, V, D), after checking the manifest against the layout."""
   tables: dict[str, tuple[str, int, int]] = {}
 
-  def check(group: GroupInfo, rows: int, dim: int, padded_dim: int) -> None:
+  def check(group: GroupInfo, rows: int, padded_dim: int) -> None:
     expected = [("table", group.table.shape, (rows, padded_dim))]
     for spec in group.slot_specs:
       expected.append(
@@ -435,7 +435,7 @@ def _index_tables(
   if layout is None:
     for group in manifest.groups:
       vocab, dim = group.table.shape
-      check(group, vocab, dim, dim)
+      check(group, vocab, dim)
       tables[group.name] = (group.name, vocab, dim)
     return tables
   if sorted(layout.stack_names) != sorted(group.name for group in manifest.groups):
@@ -446,7 +446,7 @@ def _index_tables(
     )
   for stack in layout.stacks:
     group = manifest.group(stack.name)
-    check(group, stack.vocabulary_size, stack.padded_embedding_dim, stack.padded_embedding_dim)
+    check(group, stack.vocabulary_size, stack.padded_embedding_dim)
     for table in stack.tables:
       tables[table.name] = (stack.name, table.vocabulary_size, table.embedding_dim)
   return tables

@@ -38,9 +38,9 @@ from orbax.checkpoint import path as ocp_path
 from checkpoint import _integrity
 from checkpoint._errors import IncompatibleCheckpointError
 
-_TMP_SUFFIX = ocp.path.atomicity.TMP_DIR_SUFFIX
-_UNFINISHED = re.compile(r"^\d+" + re.escape(_TMP_SUFFIX) + r"-?\d*$")
-_OURS = re.compile(r"^\d+(" + re.escape(_TMP_SUFFIX) + r".*|\.incomplete-\d+)?$")
+TMP_SUFFIX = ocp.path.atomicity.TMP_DIR_SUFFIX
+_UNFINISHED = re.compile(r"^\d+" + re.escape(TMP_SUFFIX) + r"-?\d*$")
+_OURS = re.compile(r"^\d+(" + re.escape(TMP_SUFFIX) + r".*|\.incomplete-\d+)?$")
 
 
 def manifest_problem(step_dir: epath.Path) -> str | None:
@@ -318,7 +318,7 @@ def remove_unfinished_saves(directory: epath.PathLike) -> list[epath.Path]:
     return []
   removed = []
   for child in sorted(directory.iterdir(), key=lambda p: p.name):
-    if _TMP_SUFFIX not in child.name:
+    if TMP_SUFFIX not in child.name:
       continue
     if _UNFINISHED.match(child.name) and not _integrity.is_link(child) and child.is_dir():
       _remove_tree(child)

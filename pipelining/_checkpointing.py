@@ -38,7 +38,6 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
-from jax.sharding import NamedSharding, PartitionSpec
 
 from checkpoint import (
     CheckpointManager,
@@ -398,7 +397,7 @@ class TrainerCheckpoints:
                               self._plan.feature_specs)
       _check_looked_up_alike(step, self.directory, meta["in_flight_ids"],
                              self._plan.feature_specs)
-      replicated = NamedSharding(self._plan.mesh, PartitionSpec())
+      replicated = self._plan.replicated_sharding()
       return SavedInFlight(
           example.activations, example.batch.dense, example.batch.labels,
           rows_shapes(self._plan.feature_specs, meta["in_flight_ids"], replicated),

@@ -81,7 +81,7 @@ def to_host(array: Any) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(array, tiled=True))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=16)  # a few meshes per process; a sweep of many keeps the newest
 def _max_over_positions(sharding: NamedSharding):
   replicated = NamedSharding(sharding.mesh, PartitionSpec())
   return jax.jit(lambda flags: jnp.max(flags, axis=0), out_shardings=replicated)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from checkpoint import CorruptCheckpointError
 from pipelining._agreement import check_same_setup, check_same_shapes, every_process_has
@@ -239,9 +239,6 @@ class Trainer:
 
   # --- batches ------------------------------------------------------------------
 
-  def _batch_sharding(self) -> NamedSharding:
-    return NamedSharding(self.plan.mesh, PartitionSpec(self.plan.axis_name))
-
   def prepare(self, raw: Any) -> DeviceBatch:
     """Preprocesses this process's slice of one batch and places it on the devices.
 
@@ -303,7 +300,7 @@ class Trainer:
     return batch, stats.num_dropped_ids
 
   def _place(self, sparse, dense, labels) -> DeviceBatch:
-    return global_batch(sparse, dense, labels, self._batch_sharding(),
+    return global_batch(sparse, dense, labels, self.plan.row_sharding(),
                         self.plan.num_devices, len(self._local_devices))
 
   @property
@@ -370,7 +367,7 @@ class Trainer:
     Everything is placed as the compiled steps return it, so the first and
     later steps share one compilation.
     """
-    replicated = NamedSharding(self.plan.mesh, PartitionSpec())
+    replicated = self.plan.replicated_sharding()
     params = jax.device_put(jax.device_get(self._dense_model.params), replicated)
     embeddings = init_embedding_variables(self.plan, self._keys()[0],
                                           dtype=self.config.table_dtype)
@@ -385,7 +382,7 @@ class Trainer:
     tables it replaces (compiling the per-row initializer of large tables
     takes seconds).
     """
-    replicated = NamedSharding(self.plan.mesh, PartitionSpec())
+    replicated = self.plan.replicated_sharding()
 
     def placed(tree):
       return jax.tree.map(
@@ -404,12 +401,12 @@ class Trainer:
       return
     template = FeatureInFlight(
         {f.name: jax.ShapeDtypeStruct(f.output_shape, self.config.table_dtype,
-                                      sharding=self._batch_sharding())
+                                      sharding=self.plan.row_sharding())
          for f in self.plan.feature_specs},
         example,
     )
     train, saved, data = self._restore_marking_damage(step, lambda: self._checkpoints.restore(
-        step, self._state_template() if self.state is None else self.state, template))
+        step, self._restore_target(), template))
     in_flight, ids = None, None
     if isinstance(saved, SavedInFlight):
       # Preprocessed again for this layout, from this process's samples.
@@ -537,7 +534,7 @@ class Trainer:
     return self._stop_requested.is_set()
 
   def _any_process(self, *flags: bool) -> tuple[bool, ...]:
-    return any_process(flags, self._batch_sharding(), self.plan.num_devices,
+    return any_process(flags, self.plan.row_sharding(), self.plan.num_devices,
                        len(self._local_devices))
 
   def _stopping(self) -> bool:
@@ -855,12 +852,20 @@ class Trainer:
     """The checkpoint fit resumes from: the latest, when newer than the state, or whenever
     evaluate or predict adopted only a checkpoint's train state (also an older one, after
     the adopted step was found damaged); else None."""
+    if self._state_only_from is not None:
+      return self._checkpoints.latest_step()
+    return self._newer_checkpoint_step()
+
+  def _newer_checkpoint_step(self) -> int | None:
+    """The latest checkpoint's step when it is newer than the state's, else None."""
     step = None if self._checkpoints is None else self._checkpoints.latest_step()
-    if step is None or self._state_only_from is not None:
-      return step
-    if self.state is not None and int(self.state.step) >= step:
+    if step is None or (self.state is not None and int(self.state.step) >= step):
       return None
     return step
+
+  def _restore_target(self) -> TrainState:
+    """What a restore fills: the state, or before there is one its abstract template."""
+    return self._state_template() if self.state is None else self.state
 
   def _adopt_newer_checkpoint(self) -> None:
     """evaluate and predict: the train state of a checkpoint newer than the state.
@@ -870,12 +875,12 @@ class Trainer:
     same checkpoint with its in-flight batch and data position.
     """
     while True:
-      step = None if self._checkpoints is None else self._checkpoints.latest_step()
-      if step is None or (self.state is not None and int(self.state.step) >= step):
+      step = self._newer_checkpoint_step()
+      if step is None:
         return
       try:
         self.state = self._restore_marking_damage(step, lambda: self._checkpoints.restore_state(
-            step, self._state_template() if self.state is None else self.state))
+            step, self._restore_target()))
       except _DamagedStep:
         continue  # marked damaged: latest_step now skips it
       self._state_only_from = step
@@ -1029,7 +1034,7 @@ class Trainer:
     rows = id_rows(ids, self.plan.feature_specs,
                    padding_id=self.config.padding_id, share=local,
                    num_devices=self.plan.num_devices)
-    ids = to_global(rows_tree(rows), self._batch_sharding(), self.plan.num_devices, local,
+    ids = to_global(rows_tree(rows), self.plan.row_sharding(), self.plan.num_devices, local,
                     "in-flight ids")
     batch = state.in_flight.batch
     return SavedInFlight(dict(activations), batch.dense, batch.labels, ids)

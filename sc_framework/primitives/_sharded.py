@@ -118,6 +118,7 @@ def _split_features(plan: EmbeddingPlan, stack: StackLayout, activations) -> dic
 
 
 def _join_features(plan: EmbeddingPlan, stack: StackLayout, grads: dict[str, jax.Array]):
+  del plan  # the per-device program's signature; the stack says it all
   parts = []
   for feature in stack.features:
     grad = grads[feature.name]
