@@ -113,26 +113,13 @@ def table_rows_in_block(
     the table (logical row >= V) excluded. Work is proportional to the rows of
     the block, not to the table.
   """
-  table = stack.tables[table_index]
-  n = stack.num_shards
-  shard_rows = table.padded_vocabulary_size // n
-  first_shard = start // stack.rows_per_shard
-  last_shard = -(-stop // stack.rows_per_shard)
-  globals_, logicals = [], []
-  for shard in range(first_shard, last_shard):
-    base = shard * stack.rows_per_shard + table.row_offset
-    lo, hi = max(base, start), min(base + shard_rows, stop)
-    if lo >= hi:
-      continue
-    local = np.arange(lo - base, hi - base, dtype=np.int64)
-    logical = logical_rows_in_shard(local, shard, table.shard_rotation, n)
-    keep = logical < table.vocabulary_size
-    globals_.append(np.arange(lo, hi, dtype=np.int64)[keep])
-    logicals.append(logical[keep])
-  if not globals_:
+  runs = table_row_runs_in_block(stack, table_index, start, stop)
+  if not runs:
     empty = np.zeros((0,), np.int64)
     return empty, empty
-  return np.concatenate(globals_), np.concatenate(logicals)
+  steps = [np.arange(count, dtype=np.int64) for _, _, count in runs]
+  return (np.concatenate([first_global + j for (first_global, _, _), j in zip(runs, steps)]),
+          np.concatenate([first + stack.num_shards * j for (_, first, _), j in zip(runs, steps)]))
 
 
 def table_row_runs_in_block(
