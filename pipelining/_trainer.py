@@ -18,13 +18,7 @@ from jax.sharding import Mesh
 
 from checkpoint import CorruptCheckpointError
 from pipelining._agreement import check_same_setup, check_same_shapes, every_process_has
-from pipelining._batch_check import (
-    BatchChecker,
-    BatchUse,
-    batch_name,
-    check_labels_fit_predictions,
-    check_not_one_batch,
-)
+from pipelining._batch_check import BatchUse, check_labels_fit_predictions, check_not_one_batch
 from pipelining._callbacks import Callback, checked_callbacks, each_fit_end
 from pipelining._config import TrainerConfig, check_count
 from pipelining._data import own_position, share_position
@@ -50,25 +44,19 @@ from pipelining._in_flight import (
     SavedInFlight,
     Staged,
     id_rows,
-    kept_inputs,
     local_inputs,
     rows_tree,
 )
 from pipelining._metrics import evaluation_metrics, no_batches_error
 from pipelining._model import DenseModel, as_dense_model
-from pipelining._placement import any_process, global_batch, to_global, to_host
+from pipelining._placement import any_process, to_global, to_host
 from pipelining._prefetch import Prefetcher, Prepared
 from pipelining._progress import Progress, describe_run
 from pipelining._signals import install_stop_handlers, restore_handlers
+from pipelining._staging import BatchStager
 from pipelining._steps import DeviceBatch, InFlight, StepFunctions, TrainState
 from sc_framework._scalars import python_scalar
 from sc_framework.host_allocator import keep_freed_memory
-from sc_framework.preprocessing import (
-    PartitionOverflowError,
-    kept_id_masks,
-    preprocess,
-    stack_capacities,
-)
 from sc_framework.primitives import (
     DEFAULT_AXIS_NAME,
     EmbeddingPlan,
@@ -195,9 +183,7 @@ class Trainer:
     # The checkpoint step whose train state evaluate or predict adopted
     # without its in-flight batch and data position: fit still resumes it.
     self._state_only_from: int | None = None
-    # Every batch's entries, rows, and shapes against the first batch's.
-    self._batch_checker = BatchChecker([f.batch_size for f in self.plan.feature_specs],
-                                       len(self._local_devices), self.plan.num_devices)
+    self._stager = BatchStager(self.plan, self._features, self.config, self._local_devices)
     self._dense_model: DenseModel | None = None
     # The model's output shapes (global), for the check of the labels.
     self._prediction_shapes = None
@@ -208,8 +194,6 @@ class Trainer:
     self._stop_requested = threading.Event()
     self._fitting = False  # fit's loop runs (and carries the state itself)
     self._stop = threading.Event()
-    self._dropped_ids = 0
-    self._dropped_lock = threading.Lock()
     self._checkpoints = None
     if self.config.workdir is not None:
       from pipelining._checkpointing import TrainerCheckpoints
@@ -246,62 +230,14 @@ class Trainer:
     becomes its devices' part of the global batch (`pipelining._placement`).
     The batch is checked as a training batch (labels needed).
     """
-    return self._stage(raw, "training", None).batch
-
-  def _stage(self, raw: Any, use: BatchUse, index: int | None) -> Staged:
-    """`prepare`, keeping the raw ids for a layout-free checkpoint of the batch in flight.
-
-    The batch is checked first (`pipelining._batch_check`); errors name it as
-    batch `index` of the `use` data. A prediction batch's labels are not read.
-    """
-    self._batch_checker.check(raw, use, index)
-    try:
-      sparse = self._features.ids_by_name(raw["sparse"])
-      preprocessed, dropped = self._preprocess(sparse)
-    except (ValueError, TypeError) as error:  # it names the feature, sample and id
-      if index is not None:
-        error.add_note(f"(in {batch_name(use, index)})")
-      raise
-    if dropped and use == "training":  # An in-flight checkpoint stores the ids it kept.
-      sparse = DroppedIds(sparse, preprocessed)
-    labels = None if use == "prediction" else raw["labels"]
-    return Staged(self._place(preprocessed, raw.get("dense"), labels), sparse)
-
-  def _kept_ids(self, ids: DroppedIds) -> dict[str, Any]:
-    """The ids a batch that dropped some kept: its lookup read these, and another
-    layout's partitions would drop others of its raw ids."""
-    masks = kept_id_masks(ids.raw, self.plan.feature_specs, self.plan.layout, ids.batch,
-                          padding_id=self.config.padding_id, devices=self._local_devices)
-    return kept_inputs(ids.raw, self.plan.feature_specs, masks,
-                       padding_id=self.config.padding_id, share=len(self._local_devices),
-                       num_devices=self.plan.num_devices)
+    return self._stager.stage(raw, "training", None).batch
 
   def _stage_for_training(self, raw: Any, index: int) -> Staged:
     """`_stage` for fit: also records the rows the batch will update (incremental saves)."""
-    staged = self._stage(raw, "training", index)
+    staged = self._stager.stage(raw, "training", index)
     if self._checkpoints is not None:
       self._checkpoints.track(staged.batch.sparse)
     return staged
-
-  def _preprocess(self, sparse: Any) -> tuple[dict[str, Any], int]:
-    """(the preprocessed batch, how many of its ids were dropped)."""
-    try:
-      batch, stats = preprocess(
-          sparse, self.plan.feature_specs, self.plan.layout,
-          padding_id=self.config.padding_id, allow_id_dropping=self.config.allow_id_dropping,
-          devices=self._local_devices,
-      )
-    except PartitionOverflowError as error:  # Its advice names preprocess's options.
-      raise error.with_advice(_overflow_advice(
-          error, stack_capacities(self.plan.feature_specs, self.plan.layout)[error.stack],
-          [table.name for table in self.plan.layout.stack(error.stack).tables])) from None
-    if stats.num_dropped_ids:
-      self._count_dropped(stats)
-    return batch, stats.num_dropped_ids
-
-  def _place(self, sparse, dense, labels) -> DeviceBatch:
-    return global_batch(sparse, dense, labels, self.plan.row_sharding(),
-                        self.plan.num_devices, len(self._local_devices))
 
   @property
   def dropped_ids(self) -> int:
@@ -310,20 +246,7 @@ class Trainer:
     Counts the batches of fit, evaluate and predict, including batches
     prefetched but not used; `History.dropped_ids` has the count of one fit.
     """
-    return self._dropped_ids
-
-  def _count_dropped(self, stats) -> None:
-    with self._dropped_lock:
-      first = self._dropped_ids == 0
-      self._dropped_ids += stats.num_dropped_ids
-    if first:
-      stacks = {name: s.num_dropped_ids for name, s in stats.stacks.items() if s.num_dropped_ids}
-      _LOG.warning(
-          "process %d: %d ids of a batch were dropped to fit the partition limits"
-          " (allow_id_dropping=True; per stack %s). Later drops are only counted"
-          " (trainer.dropped_ids, history.dropped_ids); raise the tables' limits"
-          " (size_limits_from_stats) to drop none.",
-          jax.process_index(), stats.num_dropped_ids, stacks)
+    return self._stager.dropped_ids
 
   # --- state ----------------------------------------------------------------------
 
@@ -414,8 +337,8 @@ class Trainer:
                          self.plan.num_devices)
       saved = FeatureInFlight(
           saved.activations,
-          DeviceBatch(self._place(self._preprocess(ids)[0], None, None).sparse, saved.dense,
-                      saved.labels))
+          DeviceBatch(self._stager.place(self._stager.preprocess(ids)[0], None, None).sparse,
+                      saved.dense, saved.labels))
       self._checkpoints.track(saved.batch.sparse)  # Its update is still to apply.
     if saved is not None:
       in_flight = InFlight(self._steps.stacked_activations(saved.activations), saved.batch)
@@ -620,7 +543,7 @@ class Trainer:
     num_steps, epochs, eval_every = _fit_arguments(num_steps, epochs, eval_data, eval_every)
     callbacks = checked_callbacks(callbacks)
     history = History()
-    dropped_before = self._dropped_ids
+    dropped_before = self._stager.dropped_ids
     self._stop.clear()
     self._stop_requested.clear()
     tracked = None if self._checkpoints is None else self._checkpoints.tracked()
@@ -682,7 +605,7 @@ class Trainer:
       self._fitting = False
       try:
         stream.close(aborted=aborted)
-        history.dropped_ids = self._dropped_ids - dropped_before
+        history.dropped_ids = self._stager.dropped_ids - dropped_before
         if progress is not None:
           progress.close()
         if not history.final_step:  # fit raised: the steps it applied count
@@ -930,7 +853,7 @@ class Trainer:
   def _prepared(self, data: Iterable[Any], use: BatchUse) -> Iterator[DeviceBatch]:
     """The staged batches of `data` (evaluate or predict), built on the first one."""
     check_not_one_batch(data, f"the {use} data")
-    with Prefetcher(iter(data), lambda raw, index: self._stage(raw, use, index).batch,
+    with Prefetcher(iter(data), lambda raw, index: self._stager.stage(raw, use, index).batch,
                     depth=self.config.prefetch_depth,
                     workers=self.config.prefetch_workers) as prefetcher:
       first = True
@@ -1030,7 +953,7 @@ class Trainer:
     local = len(self._local_devices)
     ids = state.in_flight_ids
     if isinstance(ids, DroppedIds):
-      ids = self._kept_ids(ids)
+      ids = self._stager.kept_ids(ids)
     rows = id_rows(ids, self.plan.feature_specs,
                    padding_id=self.config.padding_id, share=local,
                    num_devices=self.plan.num_devices)
@@ -1090,18 +1013,6 @@ def _fit_arguments(num_steps: int | None, epochs: int | None, eval_data: Iterabl
         " batches to evaluate, or eval_data=None."
     )
   return num_steps, epochs, eval_every
-
-
-def _overflow_advice(error: PartitionOverflowError, limits, tables: list[str]) -> str:
-  """The Trainer's advice for a partition overflow: the limits that were exceeded only."""
-  names = ("max_ids_per_partition", "max_unique_ids_per_partition")
-  exceeded = [name for name in names
-              if getattr(error.needed, name) > getattr(limits, name)] or list(names)
-  raise_ = [f"{name} to at least {getattr(error.needed, name)}" for name in exceeded]
-  return (f"Raise the {' and '.join(raise_)} on the stack's tables {tables} (with headroom for"
-          " burstier batches: size_limits_from_stats(..., headroom=1.2) computes them from a"
-          " few batches), or pass allow_id_dropping=True to the Trainer to drop the excess"
-          " ids deterministically (counted in trainer.dropped_ids).")
 
 
 def _step_or_zero(state: TrainState | None) -> int:
