@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -21,6 +22,7 @@ import numpy as np
 
 from pipelining._config import TrainerConfig
 from pipelining._distributed import allgather_json, check_agreement
+from pipelining._prefetch import Prepared
 from sc_framework.primitives import EmbeddingPlan
 
 _LOG = logging.getLogger("pipelining")
@@ -84,3 +86,25 @@ def every_process_has(example: Any | None) -> bool:
         " this process's batches are not used. Give every process the same number of"
         " batches.", jax.process_index(), [p for p, has in enumerate(have) if not has])
   return False
+
+
+def pass_of(prepared: Prepared) -> int:
+  """The pass over the data (0-based epoch) a prepared batch belongs to."""
+  position = prepared.position
+  return int(position.get("epoch", 0)) if isinstance(position, Mapping) else 0
+
+
+def warn_passes_out_of_step(this_pass: int) -> None:
+  _LOG.warning(
+      "process %d: the processes' batches are of different passes over their data (this"
+      " process's is pass %d): their passes hold different numbers of batches, so the"
+      " global batches would join slices of different batches. fit stops here, as at the"
+      " end of the data. Give every process the same number of batches per pass.",
+      jax.process_index(), this_pass)
+
+
+def warn_data_ended_elsewhere() -> None:
+  _LOG.warning(
+      "process %d: another process's data ended before this process's; the global batches"
+      " end there and this process's remaining batches are not used. Give every process"
+      " the same number of batches.", jax.process_index())

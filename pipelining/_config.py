@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sized
 from typing import Any, Literal
 
 import jax.numpy as jnp
@@ -231,3 +231,26 @@ def _checked_padding_id(padding_id) -> PaddingId:
         f" -> id, got {padding_id!r} ({type(padding_id).__name__})."
     )
   return padding_id
+
+
+def fit_arguments(num_steps: int | None, epochs: int | None, eval_data: Iterable[Any] | None,
+                   eval_every: int | None) -> tuple[int | None, int | None, int | None]:
+  """fit's num_steps, epochs and eval_every as Python ints (or None), checked."""
+  num_steps, epochs, eval_every = (python_scalar(v) for v in (num_steps, epochs, eval_every))
+  check_count("num_steps", num_steps, minimum=0, optional=True)
+  check_count("eval_every", eval_every, minimum=1, optional=True)
+  if eval_every is not None and eval_data is None:
+    raise ValueError("eval_every needs eval_data.")
+  if eval_every is not None and isinstance(eval_data, Iterator):
+    # The second evaluation would find it exhausted, in the middle of fit.
+    raise ValueError(
+        f"eval_every={eval_every} evaluates eval_data several times, which needs a"
+        f" re-iterable (a list, or a dataset whose __iter__ starts over); got a one-shot"
+        f" {type(eval_data).__name__}. Pass list(eval_data) or the dataset itself."
+    )
+  if isinstance(eval_data, Sized) and len(eval_data) == 0:
+    raise ValueError(
+        "eval_data is empty: fit would fail at its first evaluation, after training. Pass"
+        " batches to evaluate, or eval_data=None."
+    )
+  return num_steps, epochs, eval_every

@@ -1,4 +1,5 @@
-"""Host-side metrics over a whole evaluation: ROC AUC and friends.
+"""Host-side metrics over a whole evaluation: ROC AUC and friends, and the per-sample
+outputs they are computed from.
 
 ROC AUC is defined for binary labels (every label 0 or 1; booleans count)
 with one score per label: labels and scores of one shape, [B] or [B, K]
@@ -13,6 +14,8 @@ from typing import Any
 
 import jax
 import numpy as np
+
+from pipelining._placement import to_host
 
 
 def auc_problem(labels: Sequence[Any], scores: Sequence[Any]) -> str | None:
@@ -140,3 +143,22 @@ def evaluation_metrics(per_batch: Sequence[dict[str, float]], sizes: Sequence[in
       )
     result["auc"] = evaluation_auc(labels, scores)
   return result
+
+
+def per_sample(predictions: Any, batch_size: int, what: str) -> Any:
+  """`predictions` when every leaf has the batch's samples as its leading dimension."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(predictions):
+    shape = np.shape(leaf)
+    if not shape or shape[0] != batch_size:
+      raise ValueError(
+          f"{what} needs predictions with one row per sample: the model's output"
+          f"{jax.tree_util.keystr(path)} has shape {shape}, not a leading dimension of the"
+          f" batch's {batch_size} samples. Return per-sample outputs from the model (a"
+          " scalar such as a temperature can live in its parameters instead)."
+      )
+  return predictions
+
+
+def host_tree(tree: Any) -> Any:
+  """`to_host` of every leaf: whole global values, on every process."""
+  return jax.tree.map(to_host, tree)

@@ -7,7 +7,7 @@ import logging
 import os
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -17,10 +17,18 @@ import optax
 from jax.sharding import Mesh
 
 from checkpoint import CorruptCheckpointError
-from pipelining._agreement import check_same_setup, check_same_shapes, every_process_has
+from pipelining._agreement import (
+    check_same_setup,
+    check_same_shapes,
+    every_process_has,
+    pass_of,
+    warn_data_ended_elsewhere,
+    warn_passes_out_of_step,
+)
 from pipelining._batch_check import BatchUse, check_labels_fit_predictions, check_not_one_batch
 from pipelining._callbacks import Callback, checked_callbacks, each_fit_end
-from pipelining._config import TrainerConfig, check_count
+from pipelining._config import TrainerConfig, fit_arguments
+from pipelining._damage import DamagedStep, none_restores_error, one_shot_data_error
 from pipelining._data import own_position, share_position
 from pipelining._determinism import NondeterministicResumeWarning, mesh_platform, resume_caveat
 from pipelining._distributed import check_agreement, check_shared_directory
@@ -47,15 +55,14 @@ from pipelining._in_flight import (
     local_inputs,
     rows_tree,
 )
-from pipelining._metrics import evaluation_metrics, no_batches_error
+from pipelining._metrics import evaluation_metrics, host_tree, no_batches_error, per_sample
 from pipelining._model import DenseModel, as_dense_model
-from pipelining._placement import any_process, to_global, to_host
+from pipelining._placement import any_process, to_global
 from pipelining._prefetch import Prefetcher, Prepared
 from pipelining._progress import Progress, describe_run
 from pipelining._signals import install_stop_handlers, restore_handlers
 from pipelining._staging import BatchStager
 from pipelining._steps import DeviceBatch, InFlight, StepFunctions, TrainState
-from sc_framework._scalars import python_scalar
 from sc_framework.host_allocator import keep_freed_memory
 from sc_framework.primitives import (
     DEFAULT_AXIS_NAME,
@@ -77,14 +84,6 @@ _LOG = logging.getLogger("pipelining")
 
 _SAME_STEPS = ("Every process must feed the same number of batches (its slice of each global"
                " batch) and stop at the same step.")
-
-_STEPS_NAMED = 5  # Unrestorable steps a refusal to start over names (the newest).
-_WHY_CHARS = 1000  # Of each one's reason.
-
-
-def _shortened(text: str) -> str:
-  return text if len(text) <= _WHY_CHARS else text[:_WHY_CHARS - 3] + "..."
-
 
 class Trainer:
   """Trains a dense Flax model on top of sharded, stacked embedding tables.
@@ -352,7 +351,7 @@ class Trainer:
     Listing a step reads no chunk: a chunk failing its checksum (a flipped
     byte) shows only when the step is restored. With one process the step
     is then marked damaged, so that the next `latest_step` skips it
-    (warning), and `_DamagedStep` tells the caller to take the step before
+    (warning), and `DamagedStep` tells the caller to take the step before
     it. With several, each process reads its own part and only some see the
     damage, while the others wait for them inside the restore: the error is
     raised (the job fails fast), telling what to do before a restart.
@@ -369,7 +368,7 @@ class Trainer:
         ) from error
       if self._checkpoints.why_unrestorable(step) is None:  # The manager's restore marks it.
         self._checkpoints.mark_damaged(step, str(error))
-      raise _DamagedStep(step, str(error)) from error
+      raise DamagedStep(step, str(error)) from error
 
   def initialize(self, example_batch: Any) -> TrainState:
     """Creates the state (tables, dense parameters, optimizer state) now.
@@ -540,7 +539,7 @@ class Trainer:
           " after it returns.")
     check_not_one_batch(train_data, "fit's train_data")
     check_not_one_batch(eval_data, "fit's eval_data")
-    num_steps, epochs, eval_every = _fit_arguments(num_steps, epochs, eval_data, eval_every)
+    num_steps, epochs, eval_every = fit_arguments(num_steps, epochs, eval_data, eval_every)
     callbacks = checked_callbacks(callbacks)
     history = History()
     dropped_before = self._stager.dropped_ids
@@ -562,7 +561,7 @@ class Trainer:
     try:
       first = stream.next_batch()
       started = self._start_or_fall_back(first, train_data, history)
-      while isinstance(started, _DamagedStep):
+      while isinstance(started, DamagedStep):
         # At the data position of the step fit falls back to (a damaged step implies a
         # workdir); the batches the dropped stream prepared are never applied.
         stream.reopen(dropped=lambda: self._checkpoints.forget_tracked_since(tracked))
@@ -615,7 +614,7 @@ class Trainer:
         restore_handlers(previous_handlers)
 
   def _start_or_fall_back(self, first: Prepared | None, train_data: Iterable[Any],
-                          history: History) -> bool | _DamagedStep:
+                          history: History) -> bool | DamagedStep:
     """`_start`, or the damaged step it could not resume: fit resumes an older one instead.
 
     The stream started at the damaged step's data position; it starts again
@@ -626,7 +625,7 @@ class Trainer:
     """
     try:
       return self._start(first, train_data, history)
-    except _DamagedStep as damaged:
+    except DamagedStep as damaged:
       older = self._resume_step()
       if older is None:
         self._refuse_to_start_over()  # From fresh state: raises, naming the damage.
@@ -638,14 +637,7 @@ class Trainer:
       else:  # Past the refusal above: this Trainer's own trained state.
         resumes = (f"this Trainer's own state (step {int(self.state.step)}), after batch"
                    f" {newest_index(self._loop.data)} of the data")
-      raise CorruptCheckpointError(
-          f"checkpoint step {damaged.step} is damaged, so fit continues from {resumes}; but"
-          " train_data is a one-shot iterator, already moved to the damaged step's"
-          " position, and it cannot go back. Call fit again with an iterator of the data"
-          " that starts there (this Trainer skips the damaged step now; a new process would"
-          f" not: move the step out of {self._checkpoints.directory} before starting one)."
-          f" Why step {damaged.step} is damaged: {damaged.why}"
-      ) from damaged
+      raise one_shot_data_error(damaged, resumes, self._checkpoints.directory) from damaged
 
   def _start(self, first: Prepared | None, train_data: Iterable[Any], history: History) -> bool:
     """Builds the steps and restores the latest checkpoint; False when there is nothing to fit."""
@@ -684,16 +676,7 @@ class Trainer:
     unrestorable = self._checkpoints.unrestorable_steps()
     if not unrestorable:
       return
-    shown = list(reversed(unrestorable.items()))[:_STEPS_NAMED]
-    steps = "; ".join(f"step {step}: {_shortened(why.rstrip('.'))}" for step, why in shown)
-    if len(unrestorable) > len(shown):
-      steps += f"; and {len(unrestorable) - len(shown)} more"
-    raise CorruptCheckpointError(
-        f"{self._checkpoints.directory} holds checkpoint steps, but none of them restores"
-        f" ({steps}). A Trainer does not start over beside them, nor evaluate a state at"
-        " step 0 there: repair them (e.g. copy them again from their source), or move them"
-        f" out of {self._checkpoints.directory} to start training from scratch."
-    )
+    raise none_restores_error(self._checkpoints.directory, unrestorable)
 
   def _report_skipped(self, history: History) -> None:
     """The batches the state fit starts from records as skipped (`History.skipped_batches`)."""
@@ -804,7 +787,7 @@ class Trainer:
       try:
         self.state = self._restore_marking_damage(step, lambda: self._checkpoints.restore_state(
             step, self._restore_target()))
-      except _DamagedStep:
+      except DamagedStep:
         continue  # marked damaged: latest_step now skips it
       self._state_only_from = step
       return
@@ -825,7 +808,7 @@ class Trainer:
       prepared = next(prefetcher)
     except StopIteration:
       prepared = None
-    odd_pass = prepared is not None and _pass_of(prepared) % 2 == 1
+    odd_pass = prepared is not None and pass_of(prepared) % 2 == 1
     even_pass = prepared is not None and not odd_pass
     ended, stop, any_odd, any_even = self._any_process(
         prepared is None, self._stop_requested.is_set(), odd_pass, even_pass)
@@ -833,10 +816,10 @@ class Trainer:
       self._stop.set()  # agreed here, at no extra exchange (`Schedule.stop_agreed`)
     if ended:
       if prepared is not None:
-        _warn_data_ended_elsewhere()
+        warn_data_ended_elsewhere()
       return None
     if any_odd and any_even:
-      _warn_passes_out_of_step(_pass_of(prepared))
+      warn_passes_out_of_step(pass_of(prepared))
       return None
     return prepared
 
@@ -845,7 +828,7 @@ class Trainer:
     here = prefetcher.at_end()
     ended = self._any_process(here)[0]
     if ended and not here:
-      _warn_data_ended_elsewhere()
+      warn_data_ended_elsewhere()
     return ended
 
   # --- evaluation -----------------------------------------------------------------
@@ -895,8 +878,8 @@ class Trainer:
       for batch in batches:
         check_labels_fit_predictions(self._prediction_shapes, batch.labels)
         preds, metrics = self._steps.evaluate(self.state, batch)
-        predictions.append(_per_sample(_host_tree(preds), self._batch_size(), "evaluate"))
-        labels.append(_host_tree(batch.labels))
+        predictions.append(per_sample(host_tree(preds), self._batch_size(), "evaluate"))
+        labels.append(host_tree(batch.labels))
         per_batch.append({name: float(value) for name, value in metrics.items()})
         sizes.append(jax.tree.leaves(predictions[-1])[0].shape[0])
     return evaluation_metrics(per_batch, sizes, labels, predictions, self.config.eval_metrics)
@@ -913,7 +896,7 @@ class Trainer:
     raises CorruptCheckpointError.
     """
     with contextlib.closing(self._prepared(data, "prediction")) as batches:
-      predictions = [_per_sample(_host_tree(self._steps.predict(self.state, batch)),
+      predictions = [per_sample(host_tree(self._steps.predict(self.state, batch)),
                                  self._batch_size(), "predict") for batch in batches]
     if not predictions:
       raise no_batches_error("predict")
@@ -992,29 +975,6 @@ class Trainer:
     return max(f.batch_size for f in self.plan.feature_specs)
 
 
-def _fit_arguments(num_steps: int | None, epochs: int | None, eval_data: Iterable[Any] | None,
-                   eval_every: int | None) -> tuple[int | None, int | None, int | None]:
-  """fit's num_steps, epochs and eval_every as Python ints (or None), checked."""
-  num_steps, epochs, eval_every = (python_scalar(v) for v in (num_steps, epochs, eval_every))
-  check_count("num_steps", num_steps, minimum=0, optional=True)
-  check_count("eval_every", eval_every, minimum=1, optional=True)
-  if eval_every is not None and eval_data is None:
-    raise ValueError("eval_every needs eval_data.")
-  if eval_every is not None and isinstance(eval_data, Iterator):
-    # The second evaluation would find it exhausted, in the middle of fit.
-    raise ValueError(
-        f"eval_every={eval_every} evaluates eval_data several times, which needs a"
-        f" re-iterable (a list, or a dataset whose __iter__ starts over); got a one-shot"
-        f" {type(eval_data).__name__}. Pass list(eval_data) or the dataset itself."
-    )
-  if isinstance(eval_data, Sized) and len(eval_data) == 0:
-    raise ValueError(
-        "eval_data is empty: fit would fail at its first evaluation, after training. Pass"
-        " batches to evaluate, or eval_data=None."
-    )
-  return num_steps, epochs, eval_every
-
-
 def _step_or_zero(state: TrainState | None) -> int:
   """The state's step, or 0 without a state or once its step was donated away."""
   if state is None:
@@ -1023,52 +983,3 @@ def _step_or_zero(state: TrainState | None) -> int:
   if isinstance(step, jax.Array) and step.is_deleted():
     return 0
   return int(step)
-
-
-def _per_sample(predictions: Any, batch_size: int, what: str) -> Any:
-  """`predictions` when every leaf has the batch's samples as its leading dimension."""
-  for path, leaf in jax.tree_util.tree_leaves_with_path(predictions):
-    shape = np.shape(leaf)
-    if not shape or shape[0] != batch_size:
-      raise ValueError(
-          f"{what} needs predictions with one row per sample: the model's output"
-          f"{jax.tree_util.keystr(path)} has shape {shape}, not a leading dimension of the"
-          f" batch's {batch_size} samples. Return per-sample outputs from the model (a"
-          " scalar such as a temperature can live in its parameters instead)."
-      )
-  return predictions
-
-
-class _DamagedStep(Exception):
-  """The checkpoint step a Trainer was restoring is damaged (`_restore_marking_damage`)."""
-
-  def __init__(self, step: int, why: str):
-    super().__init__(f"checkpoint step {step} is damaged: {why}")
-    self.step, self.why = step, why
-
-
-def _pass_of(prepared: Prepared) -> int:
-  """The pass over the data (0-based epoch) a prepared batch belongs to."""
-  position = prepared.position
-  return int(position.get("epoch", 0)) if isinstance(position, Mapping) else 0
-
-
-def _warn_passes_out_of_step(this_pass: int) -> None:
-  _LOG.warning(
-      "process %d: the processes' batches are of different passes over their data (this"
-      " process's is pass %d): their passes hold different numbers of batches, so the"
-      " global batches would join slices of different batches. fit stops here, as at the"
-      " end of the data. Give every process the same number of batches per pass.",
-      jax.process_index(), this_pass)
-
-
-def _warn_data_ended_elsewhere() -> None:
-  _LOG.warning(
-      "process %d: another process's data ended before this process's; the global batches"
-      " end there and this process's remaining batches are not used. Give every process"
-      " the same number of batches.", jax.process_index())
-
-
-def _host_tree(tree: Any) -> Any:
-  """`to_host` of every leaf: whole global values, on every process."""
-  return jax.tree.map(to_host, tree)
