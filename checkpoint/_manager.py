@@ -28,6 +28,7 @@ step is always kept (keep_latest >= 1).
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import logging
 import math
@@ -192,6 +193,7 @@ class CheckpointManager:
         # links included; `remove_unfinished_saves` deletes only what a save wrote.
         cleanup_tmp_directories=False,
         enable_async_checkpointing=async_save,
+        **_directories_made_before_the_save_returns(),
         create=not read_only,
         read_only=read_only,
         step_name_format=_steps.CompleteSteps(ocp.step.standard_name_format(), self._warn_skipped),
@@ -739,3 +741,18 @@ def _nan_ranks_worst(metric_fn: Callable[[Mapping[str, Any]], float],
     return worst if math.isnan(value) else value
 
   return get
+
+
+def _directories_made_before_the_save_returns() -> dict[str, Any]:
+  """Orbax options that create a step's temporary directory inside `save`, not in a thread.
+
+  Made in a background thread (Orbax's default), a directory that cannot be
+  made (read-only or full storage) leaves the save's other threads waiting
+  for it until Orbax's async timeout (20 min): the process hangs after the
+  save failed. Made inside `save`, the error is raised there and nothing
+  waits. Orbax versions without the option keep their own way.
+  """
+  fields = {field.name for field in dataclasses.fields(ocp.options.AsyncOptions)}
+  if "create_directories_asynchronously" not in fields:
+    return {}
+  return {"async_options": ocp.options.AsyncOptions(create_directories_asynchronously=False)}

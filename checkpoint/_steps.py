@@ -302,13 +302,20 @@ def _remove_tree(path: epath.Path, *, patience_s: float = 30.0) -> None:
       time.sleep(0.2)
 
 
+def is_unfinished_save(path: epath.Path) -> bool:
+  """Whether `path` is what an interrupted or failed save leaves: a real directory named
+  `<step>.orbax-checkpoint-tmp[-<n>]` (never a step; `remove_unfinished_saves` removes it)."""
+  return bool(_UNFINISHED.match(path.name)) and not _integrity.is_link(path) and path.is_dir()
+
+
 def remove_unfinished_saves(directory: epath.PathLike) -> list[epath.Path]:
   """Deletes the temporary directories of interrupted saves under a root.
 
   Only the primary process deletes, and only real directories named
   `<step>.orbax-checkpoint-tmp-<n>` (what an interrupted save leaves);
   completed steps are never touched. A link, a file or any other entry whose
-  name carries the temporary suffix is left alone and named in a warning.
+  name carries the temporary suffix is left alone and named in a warning, as
+  is a directory the storage refuses to delete (read-only, no permission).
 
   Returns:
     The directories removed.
@@ -320,8 +327,15 @@ def remove_unfinished_saves(directory: epath.PathLike) -> list[epath.Path]:
   for child in sorted(directory.iterdir(), key=lambda p: p.name):
     if TMP_SUFFIX not in child.name:
       continue
-    if _UNFINISHED.match(child.name) and not _integrity.is_link(child) and child.is_dir():
-      _remove_tree(child)
+    if is_unfinished_save(child):
+      try:
+        _remove_tree(child)
+      except OSError as error:  # read-only storage, no permission: reading needs no removal
+        warnings.warn(
+            f"{child}: an unfinished save could not be removed ({error}); it is left as it is."
+            " It never counts as a step, and a manager opened where it can be removed"
+            " removes it.", RuntimeWarning, stacklevel=2)
+        continue
       removed.append(child)
     else:
       warnings.warn(

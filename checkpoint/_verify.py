@@ -30,6 +30,7 @@ from checkpoint._format import MANIFEST_FILE, array_dir, numpy_dtype
 from checkpoint._integrity import Problem
 from checkpoint._reader import CheckpointReader
 from checkpoint._source import step_of_item
+from checkpoint._steps import is_unfinished_save
 
 _STEP = re.compile(r"^\d+$")
 _ROOT_FILES = frozenset({_integrity.ORBAX_STEP_METADATA, "descriptor", "metadata"})
@@ -116,6 +117,9 @@ def verify_root(root: epath.Path) -> list[Problem]:
       else:
         problems.extend(_integrity.check_step(child, depth="full"))
         problems.extend(step_chain_problems(child, None))
+    elif is_unfinished_save(child):
+      problems.append(Problem("foreign", child, "an unfinished save, never a step; a"
+                              " CheckpointManager opened for writing removes it"))
     elif child.name not in _ROOT_FILES:
       problems.append(
           Problem("foreign", child, "not a step written by the checkpoint manager; left alone")

@@ -385,8 +385,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
   except (CheckpointError, ValueError, TypeError, KeyError, FileExistsError, OSError) as error:
     message = error.args[0] if isinstance(error, KeyError) and error.args else error
+    if isinstance(error, OSError) and error.filename is None:  # e.g. a full disk's ENOSPC
+      message = f"{_what_it_did(args)}: {message}"
     print(f"sc-checkpoint {args.command}: error: {_one_line(str(message))}", file=sys.stderr)
     return 1
+
+
+def _what_it_did(args: argparse.Namespace) -> str:
+  """What a subcommand writes or reads, to name it where the storage's error does not."""
+  if args.command == "convert":
+    return f"writing {args.dst}"
+  if args.command == "compact":
+    return f"writing {args.step_dir}"
+  return f"reading {args.path}"
 
 
 class _StdoutClosed(Exception):

@@ -22,6 +22,7 @@ import math
 import statistics
 import sys
 import time
+import warnings
 from typing import Any, TextIO
 
 from etils import epath
@@ -67,6 +68,7 @@ class Progress:
     self._total = total_steps
     self._log_every = log_every
     self._metrics_path = metrics_path
+    self._record_failed = False  # warned once about a refused record
     self._batch_size = batch_size
     self._stream = stream or sys.stderr
     self._start_time = time.perf_counter()
@@ -128,12 +130,26 @@ class Progress:
                  "examples_per_sec": steps_per_sec * self._batch_size})
 
   def record(self, payload: dict[str, Any]) -> None:
-    """Appends one JSON line to metrics.jsonl (if enabled)."""
+    """Appends one JSON line to metrics.jsonl (if enabled).
+
+    A record the storage refuses (full, read-only) is not worth a training
+    run: it is left out with a warning, the first time only, and training
+    and its checkpoints go on (`History` still holds every step's metrics).
+    """
     if self._metrics_path is None:
       return
     clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in payload.items()}
-    with self._metrics_path.open("a") as f:
-      f.write(json.dumps(clean, sort_keys=True) + "\n")
+    try:
+      with self._metrics_path.open("a") as f:
+        f.write(json.dumps(clean, sort_keys=True) + "\n")
+    except OSError as error:
+      if not self._record_failed:
+        self._record_failed = True
+        warnings.warn(
+            f"{self._metrics_path}: a record could not be appended ({error}); training goes"
+            " on without it (fit's History keeps every step's metrics). Later records that"
+            " fail are left out without a warning; free space or fix the storage to have"
+            " them again.", RuntimeWarning, stacklevel=2)
 
   def _line(self, step: int, metrics: dict[str, float], steps_per_sec: float) -> str:
     total = f"/{self._total}" if self._total else ""

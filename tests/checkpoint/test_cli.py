@@ -376,3 +376,21 @@ def test_verify_of_a_step_without_manifest_points_at_adopt(saved, capsys):
   assert f"`sc-checkpoint verify --adopt {root / '3'}`" in out, out
   assert main(["verify", "--adopt", str(root / "3")]) == 0
   assert "--adopt" not in capsys.readouterr().out
+
+
+def test_a_storage_error_without_a_file_name_names_what_was_written(saved, tmp_path, capsys,
+                                                                   monkeypatch):
+  """A full disk's ENOSPC carries no file name: the error said only "No space left on
+  device"."""
+  import errno
+  from checkpoint import cli
+
+  def full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  monkeypatch.setattr(cli, "convert", full)
+  _, _, run = saved
+  assert main(["convert", str(run / "3"), str(tmp_path / "out"), "--unstacked"]) == 1
+  error = capsys.readouterr().err.splitlines()[-1]
+  assert error == (f"sc-checkpoint convert: error: writing {tmp_path / 'out'}: [Errno 28] No"
+                   " space left on device"), error

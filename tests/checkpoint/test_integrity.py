@@ -505,3 +505,64 @@ def test_a_step_saved_again_and_damaged_again_is_named_again(root, template):
         mngr.wait_until_finished()
   skipped = [str(w.message) for w in caught if "is skipped" in str(w.message)]
   assert len(skipped) == 2, "\n".join(skipped)
+
+
+def test_a_save_whose_directory_cannot_be_made_raises_and_leaves_no_thread_waiting(
+    root, monkeypatch):
+  """Read-only or full storage refused the step's temporary directory: Orbax made it in a
+  background thread, and the save's other threads then waited for it for 20 minutes, so
+  the process hung after the save had failed. It is now made inside `save`."""
+  import threading
+  import time
+  import jax
+  from fault_lib import _step_state
+  model, layout, tables, slots, _, _, _ = _step_state(1)
+  makedirs = os.makedirs
+
+  def read_only_makedirs(path, *args, **kwargs):
+    if ".orbax-checkpoint-tmp" in os.fspath(path):
+      raise OSError(errno.EROFS, "Read-only file system", os.fspath(path))
+    return makedirs(path, *args, **kwargs)
+
+  mngr = ck.CheckpointManager(root, keep_latest=5)
+  before = set(threading.enumerate())
+  monkeypatch.setattr(os, "makedirs", read_only_makedirs)
+  with pytest.raises(OSError, match=r"Read-only file system.*3\.orbax-checkpoint-tmp"):
+    mngr.save(3, ck.EmbeddingSave(tables, slots, layout, model.slot_specs(layout)))
+    mngr.wait_until_finished()
+  monkeypatch.setattr(os, "makedirs", makedirs)
+  deadline = time.monotonic() + 10
+  while time.monotonic() < deadline:
+    waiting = [t for t in set(threading.enumerate()) - before if t.is_alive() and not t.daemon]
+    if not waiting:
+      break
+    time.sleep(0.1)
+  assert not waiting, [t.name for t in waiting]
+  assert mngr.latest_step() == 2
+  jax.block_until_ready(tables)
+
+
+def test_an_unfinished_save_that_cannot_be_removed_is_left_with_a_warning(root, monkeypatch):
+  """On read-only storage a failed save's directory cannot be removed: opening a manager
+  (which evaluate and predict do) failed with "Read-only file system: 'embedding'"."""
+  from checkpoint import _steps
+  unfinished = root / "3.orbax-checkpoint-tmp"
+  (unfinished / "embedding").mkdir(parents=True)
+
+  def refused(path, **_):
+    raise OSError(errno.EROFS, "Read-only file system", "embedding")
+
+  monkeypatch.setattr(_steps, "_remove_tree", refused)
+  with pytest.warns(RuntimeWarning, match=rf"{re.escape(str(unfinished))}: an unfinished save"
+                                          r" could not be removed \(.*Read-only file system"):
+    with ck.CheckpointManager(root) as mngr:
+      assert mngr.latest_step() == 2
+      assert mngr.restore(None, ck.TableRestore())["embedding"]
+  assert unfinished.exists()
+
+
+def test_verify_names_an_unfinished_save_as_one(root, capsys):
+  (root / "3.orbax-checkpoint-tmp" / "embedding").mkdir(parents=True)
+  assert main(["verify", str(root)]) == 0
+  out = capsys.readouterr().out
+  assert f"{root / '3.orbax-checkpoint-tmp'}: an unfinished save, never a step" in out, out

@@ -837,3 +837,22 @@ def test_an_in_flight_batch_looked_up_with_another_combiner_is_refused(tmp_path)
     make_trainer(tmp_path, True, averaged).fit(batches)
   history = make_trainer(tmp_path, True, specs).fit(batches)  # the same specs resume
   assert history.resumed_from == 3 and history.final_step == 5
+
+
+def test_a_metrics_file_the_storage_refuses_warns_once_and_training_and_checkpoints_go_on(
+    tmp_path):
+  """A full or read-only disk under metrics.jsonl stopped fit before the checkpoint due at
+  that step (the last steps' training was lost), and its OSError, raised again when fit
+  recorded its end, hid the error that had stopped fit."""
+  (tmp_path / "metrics.jsonl").mkdir()  # every append is refused (IsADirectoryError)
+  batches = make_batches(4, seed=8)
+  trainer = make_trainer(tmp_path, True)
+  with pytest.warns(RuntimeWarning, match=r"metrics.jsonl: a record could not be appended") \
+      as caught:
+    history = trainer.fit(batches)
+  assert history.final_step == 4 and len(history.metrics) == 4
+  assert sum("metrics.jsonl" in str(w.message) for w in caught) == 1
+  assert trainer.latest_checkpoint_step() == 4
+  reference = make_trainer(None, True)
+  reference.fit(batches)
+  assert_same_run(trainer, reference)
