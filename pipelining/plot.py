@@ -21,7 +21,9 @@ without resume markers and throughput.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import json
 import math
 import sys
@@ -227,11 +229,28 @@ def draw(history: MetricsHistory, output: epath.PathLike, *, name: str = "traini
       raise ValueError(
           f"{path}: matplotlib writes no {path.suffix!r} images; use one of"
           f" {sorted('.' + kind for kind in figure.canvas.get_supported_filetypes())}.")
-    with path.open("wb") as f:
-      figure.savefig(f, format=image_format, dpi=100)
+    image = io.BytesIO()
+    figure.savefig(image, format=image_format, dpi=100)
+    _write_whole(path, image.getvalue())
     return path
   finally:
     plt.close(figure)
+
+
+def _write_whole(path: epath.Path, data: bytes) -> None:
+  """Writes `path` through a temporary sibling renamed over it: a reader (a viewer
+  refreshing beside a running job) never sees half an image, and storage that refuses
+  the write (full, read-only) leaves the old image, or none, but never a truncated one."""
+  partial = path.parent / f".{path.name}.partial"
+  try:
+    partial.write_bytes(data)
+    partial.rename(path)
+  except OSError as error:
+    with contextlib.suppress(OSError):
+      partial.unlink(missing_ok=True)
+    if error.filename is None:  # e.g. a full disk's ENOSPC
+      raise OSError(error.errno, f"writing {path}: {error.strerror}") from error
+    raise
 
 
 def plot_workdir(workdir: epath.PathLike, output: epath.PathLike | None = None, *,

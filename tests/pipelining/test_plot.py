@@ -113,3 +113,23 @@ def test_plot_command_errors_are_one_line(tmp_path, capsys, make, message):
   assert message in err and err.count("\n") == 1, err
   if target.name == "checkpoints":
     assert f"metrics.jsonl is in the workdir: try {tmp_path}" in err
+
+
+def test_a_write_the_storage_refuses_leaves_no_partial_image_and_names_the_file(
+    tmp_path, capsys, monkeypatch):
+  """A full disk left a truncated 4 KiB image, and its error named no file."""
+  import errno
+  from etils import epath
+  records = [{"step": s, "loss": 1.0 / s} for s in range(1, 5)]
+  write(tmp_path / "metrics.jsonl", records)
+  write_bytes = epath.Path.write_bytes
+
+  def full(self, data):
+    write_bytes(self, data[:4096])
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  monkeypatch.setattr(epath.Path, "write_bytes", full)
+  assert plot.main([str(tmp_path), "--output", str(tmp_path / "new.png")]) == 1
+  err = capsys.readouterr().err
+  assert f"writing {tmp_path / 'new.png'}: No space left on device" in err, err
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
