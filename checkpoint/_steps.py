@@ -302,6 +302,11 @@ def _remove_tree(path: epath.Path, *, patience_s: float = 30.0) -> None:
       time.sleep(0.2)
 
 
+# What storage says when it refuses a removal for good (read-only, no permission):
+# reading needs no removal, so a manager opened there goes on without it.
+_REFUSED = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
 def is_unfinished_save(path: epath.Path) -> bool:
   """Whether `path` is what an interrupted or failed save leaves: a real directory named
   `<step>.orbax-checkpoint-tmp[-<n>]` (never a step; `remove_unfinished_saves` removes it)."""
@@ -330,7 +335,9 @@ def remove_unfinished_saves(directory: epath.PathLike) -> list[epath.Path]:
     if is_unfinished_save(child):
       try:
         _remove_tree(child)
-      except OSError as error:  # read-only storage, no permission: reading needs no removal
+      except OSError as error:
+        if error.errno not in _REFUSED:  # a writer still at work in it, a failing disk
+          raise
         warnings.warn(
             f"{child}: an unfinished save could not be removed ({error}); it is left as it is."
             " It never counts as a step, and a manager opened where it can be removed"

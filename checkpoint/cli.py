@@ -383,21 +383,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError):
       pass  # stdout is no file (an embedding program's stream): nothing to redirect.
     return 0
-  except (CheckpointError, ValueError, TypeError, KeyError, FileExistsError, OSError) as error:
+  except (CheckpointError, ValueError, TypeError, KeyError, OSError) as error:
     message = error.args[0] if isinstance(error, KeyError) and error.args else error
-    if isinstance(error, OSError) and error.filename is None:  # e.g. a full disk's ENOSPC
-      message = f"{_what_it_did(args)}: {message}"
+    if isinstance(error, OSError) and error.errno is not None and error.filename is None:
+      message = f"{_operands(args)}: {message}"  # the storage's error (ENOSPC) names no file
     print(f"sc-checkpoint {args.command}: error: {_one_line(str(message))}", file=sys.stderr)
     return 1
 
 
-def _what_it_did(args: argparse.Namespace) -> str:
-  """What a subcommand writes or reads, to name it where the storage's error does not."""
+def _operands(args: argparse.Namespace) -> str:
+  """What a subcommand works on, to name it where the storage's error does not."""
   if args.command == "convert":
-    return f"writing {args.dst}"
+    return f"{args.src} -> {args.dst}"
   if args.command == "compact":
-    return f"writing {args.step_dir}"
-  return f"reading {args.path}"
+    return args.step_dir
+  return args.path
 
 
 class _StdoutClosed(Exception):

@@ -419,7 +419,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     start_step = int(trainer.state.step)
     if start_step:
       report(f"resuming from step {start_step}", flush=True)
-    report(f"before training: loss {before['loss']:.4f}  auc {before['auc']:.4f}", flush=True)
+    when = f"at step {start_step}" if start_step else "before training"
+    report(f"{when}: loss {before['loss']:.4f}  auc {before['auc']:.4f}", flush=True)
     clock = StepClock()
     history = trainer.fit(train, num_steps=start_step + args.steps, eval_data=evaluation,
                           eval_every=args.eval_every, callbacks=[clock])

@@ -316,9 +316,10 @@ def main(argv=None) -> dict[str, Any]:
     before = math.exp(trainer.evaluate(evaluation)["loss"])
     start_step = int(trainer.state.step)
     if start_step:
-      print(f"resuming from step {start_step}", flush=True)
-    print(f"before training: perplexity {before:.3f} (uniform guess: {corpus['vocab']})",
-          flush=True)
+      print(f"resuming from step {start_step}: perplexity {before:.3f}", flush=True)
+    else:
+      print(f"before training: perplexity {before:.3f} (uniform guess: {corpus['vocab']})",
+            flush=True)
     started = time.perf_counter()
     history = trainer.fit(train, num_steps=start_step + args.steps)
     elapsed = time.perf_counter() - started

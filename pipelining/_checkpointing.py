@@ -436,7 +436,8 @@ def _check_same_batch_shape(step: int, directory: epath.Path,
   shapes; its activations, dense features and labels have the shapes it was
   written with. (Older checkpoints record neither: Orbax's shape check refuses.)
   """
-  recorded = [(spec, saved[spec.name]) for spec in specs if "batch_size" in saved[spec.name]]
+  recorded = [(spec, {"batch_size": spec.batch_size, "sequence_length": spec.sequence_length,
+                      **saved[spec.name]}) for spec in specs]
   changed = [f"{entry['batch_size']} samples then, {spec.batch_size} now (feature {spec.name!r})"
              for spec, entry in recorded if entry["batch_size"] != spec.batch_size][:1]
   changed += [f"feature {spec.name!r}: sequence length {entry['sequence_length']} then,"

@@ -17,8 +17,10 @@ Non-finite floats are written as null. `pipelining.plot` draws the file.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -140,8 +142,7 @@ class Progress:
       return
     clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in payload.items()}
     try:
-      with self._metrics_path.open("a") as f:
-        f.write(json.dumps(clean, sort_keys=True) + "\n")
+      _append_whole_line(self._metrics_path, json.dumps(clean, sort_keys=True) + "\n")
     except OSError as error:
       if not self._record_failed:
         self._record_failed = True
@@ -176,3 +177,26 @@ class Progress:
     if self._mode == "bar":
       self._stream.write("\n")
       self._stream.flush()
+
+
+def _append_whole_line(path: epath.Path, line: str) -> None:
+  """Appends `line`, or on a local file system nothing: a write the storage cuts short
+  (a full disk) is cut back off, so the file never holds half a record that the next
+  one would be appended to."""
+  if "://" in os.fspath(path):  # cloud storage writes whole objects
+    with path.open("a") as f:
+      f.write(line)
+    return
+  fd = os.open(os.fspath(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+  try:
+    start = os.lseek(fd, 0, os.SEEK_END)
+    data = line.encode()
+    try:
+      while data:
+        data = data[os.write(fd, data):]
+    except OSError:
+      with contextlib.suppress(OSError):
+        os.ftruncate(fd, start)
+      raise
+  finally:
+    os.close(fd)

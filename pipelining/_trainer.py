@@ -232,7 +232,7 @@ class Trainer:
     return self._stager.stage(raw, "training", None).batch
 
   def _stage_for_training(self, raw: Any, index: int) -> Staged:
-    """`_stage` for fit: also records the rows the batch will update (incremental saves)."""
+    """The stager's batch for fit; also records the rows it will update (incremental saves)."""
     staged = self._stager.stage(raw, "training", index)
     if self._checkpoints is not None:
       self._checkpoints.track(staged.batch.sparse)

@@ -27,6 +27,7 @@ import io
 import json
 import math
 import sys
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -241,15 +242,15 @@ def _write_whole(path: epath.Path, data: bytes) -> None:
   """Writes `path` through a temporary sibling renamed over it: a reader (a viewer
   refreshing beside a running job) never sees half an image, and storage that refuses
   the write (full, read-only) leaves the old image, or none, but never a truncated one."""
-  partial = path.parent / f".{path.name}.partial"
+  partial = path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}.partial"  # one per writer
   try:
     partial.write_bytes(data)
-    partial.rename(path)
+    partial.replace(path)
   except OSError as error:
     with contextlib.suppress(OSError):
       partial.unlink(missing_ok=True)
     if error.filename is None:  # e.g. a full disk's ENOSPC
-      raise OSError(error.errno, f"writing {path}: {error.strerror}") from error
+      raise OSError(error.errno, f"writing {path}: {error.strerror or error}") from error
     raise
 
 

@@ -35,14 +35,17 @@ def _jaxlib_knows(flag: str) -> bool:
   spec = importlib.util.find_spec("jaxlib")
   for folder in spec.submodule_search_locations if spec else ():
     for library in glob.glob(os.path.join(folder, "*.so")):
-      with open(library, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        if data.find(flag.encode()) >= 0:
-          return True
+      try:
+        with open(library, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+          if data.find(flag.encode() + b"\0") >= 0:  # the whole name, not a longer one's start
+            return True
+      except (OSError, ValueError):  # unreadable, or empty (mmap refuses)
+        continue
   return False
 
 
 if _PATIENCE not in os.environ.get("XLA_FLAGS", "") and _jaxlib_knows(_PATIENCE):
-  os.environ["XLA_FLAGS"] += f" --{_PATIENCE}=900"
+  os.environ["XLA_FLAGS"] += f" --{_PATIENCE}=300"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 _XLA_CACHE = tempfile.mkdtemp(prefix="sc-framework-tests-xla-cache-")

@@ -365,7 +365,8 @@ def test_a_broken_pipe_that_is_not_stdout_is_an_error(saved, tmp_path, monkeypat
 
   monkeypatch.setattr("checkpoint.cli.convert", broken_storage)
   assert main(["convert", str(root / "3"), str(tmp_path / "x"), "--unstacked", "--quiet"]) == 1
-  assert "error: [Errno 32] Broken pipe to the storage server" in capsys.readouterr().err
+  assert (f"error: {root / '3'} -> {tmp_path / 'x'}: [Errno 32] Broken pipe to the storage"
+          " server") in capsys.readouterr().err
 
 
 def test_verify_of_a_step_without_manifest_points_at_adopt(saved, capsys):
@@ -378,7 +379,7 @@ def test_verify_of_a_step_without_manifest_points_at_adopt(saved, capsys):
   assert "--adopt" not in capsys.readouterr().out
 
 
-def test_a_storage_error_without_a_file_name_names_what_was_written(saved, tmp_path, capsys,
+def test_a_storage_error_without_a_file_name_names_the_operands(saved, tmp_path, capsys,
                                                                    monkeypatch):
   """A full disk's ENOSPC carries no file name: the error said only "No space left on
   device"."""
@@ -392,5 +393,11 @@ def test_a_storage_error_without_a_file_name_names_what_was_written(saved, tmp_p
   _, _, run = saved
   assert main(["convert", str(run / "3"), str(tmp_path / "out"), "--unstacked"]) == 1
   error = capsys.readouterr().err.splitlines()[-1]
-  assert error == (f"sc-checkpoint convert: error: writing {tmp_path / 'out'}: [Errno 28] No"
-                   " space left on device"), error
+  assert error == (f"sc-checkpoint convert: error: {run / '3'} -> {tmp_path / 'out'}: [Errno 28]"
+                   " No space left on device"), error
+  # The tool's own refusals name their paths already: no prefix.
+  (tmp_path / "taken").mkdir()
+  monkeypatch.undo()
+  assert main(["convert", str(run / "3"), str(tmp_path / "taken"), "--unstacked"]) == 1
+  assert capsys.readouterr().err.splitlines()[-1].startswith(
+      f"sc-checkpoint convert: error: {tmp_path / 'taken'}"), error

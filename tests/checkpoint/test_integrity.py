@@ -560,6 +560,13 @@ def test_an_unfinished_save_that_cannot_be_removed_is_left_with_a_warning(root, 
       assert mngr.restore(None, ck.TableRestore())["embedding"]
   assert unfinished.exists()
 
+  def failing(path, **_):  # a disk error, or a writer still at work in it: not hidden
+    raise OSError(errno.EIO, "Input/output error", "embedding")
+
+  monkeypatch.setattr(_steps, "_remove_tree", failing)
+  with pytest.raises(OSError, match="Input/output error"):
+    ck.CheckpointManager(root)
+
 
 def test_verify_names_an_unfinished_save_as_one(root, capsys):
   (root / "3.orbax-checkpoint-tmp" / "embedding").mkdir(parents=True)

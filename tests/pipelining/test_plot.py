@@ -84,6 +84,7 @@ def test_plot_command_draws_a_workdir(tmp_path, capsys):
   assert "39 training records, 0 evaluations, 0 resumes" in capsys.readouterr().out
   assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
   assert (tmp_path / "curve.png").stat().st_size > 20_000
+  assert plot.main([str(tmp_path), "--output", str(tmp_path / "curve.png")]) == 0  # replaced
   # The extension chooses the format (a .pdf once held a PNG); an unknown one is refused.
   assert plot.main([str(tmp_path), "--output", str(tmp_path / "curve.pdf")]) == 0
   assert (tmp_path / "curve.pdf").read_bytes()[:5] == b"%PDF-"
@@ -133,3 +134,30 @@ def test_a_write_the_storage_refuses_leaves_no_partial_image_and_names_the_file(
   err = capsys.readouterr().err
   assert f"writing {tmp_path / 'new.png'}: No space left on device" in err, err
   assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
+
+def test_a_record_the_disk_cuts_short_is_cut_back_off_and_the_next_follows_whole(
+    tmp_path, monkeypatch):
+  """A full disk stored half a record, and the next record, once there was room, was
+  appended to it: a broken line in the middle, which the plot refuses."""
+  import errno
+  import os
+  from pipelining import _progress
+  path = epath.Path(tmp_path) / "metrics.jsonl"
+  progress = Progress(total_steps=6, mode="off", log_every=1, metrics_path=path, batch_size=4)
+  write_ = os.write
+  full = {"left": 1}
+
+  def short_write(fd, data):
+    if full["left"]:  # the disk holds 10 more bytes of this record, then is full
+      full["left"] -= 1
+      write_(fd, data[:10])
+      raise OSError(errno.ENOSPC, "No space left on device")
+    return write_(fd, data)
+
+  monkeypatch.setattr(_progress.os, "write", short_write)
+  with pytest.warns(RuntimeWarning, match="metrics.jsonl: a record could not be appended"):
+    run(progress, 1, 6, lambda step: 1.0 / step)
+  records = [json.loads(line) for line in path.read_text().splitlines()]
+  assert [r["step"] for r in records] == [2, 3, 4, 5, 6]
+  assert list(plot.read_metrics(path).train_steps) == [2, 3, 4, 5, 6]
