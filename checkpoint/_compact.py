@@ -97,7 +97,23 @@ def finish_interrupted_compactions(directory: epath.PathLike) -> list[epath.Path
       match.group(1) for child in directory.iterdir()
       if (match := _LEFT_BEHIND.match(child.name)) is not None
   }, key=int)
-  return [directory / step for step in steps if _finish(directory / step)]
+  return [directory / step for step in steps if _finish_where_allowed(directory / step)]
+
+
+def _finish_where_allowed(step_dir: epath.Path) -> bool:
+  """`_finish`, or on storage that refuses the renames for good (read-only, no
+  permission) nothing but a warning: reading needs no repair, and the step's
+  parts stay as they are until a manager that can write finishes them."""
+  try:
+    return _finish(step_dir)
+  except OSError as error:
+    if error.errno not in _steps.REFUSED_FOR_GOOD:
+      raise
+    warnings.warn(
+        f"{step_dir}: a compaction interrupted there could not be finished ({error}); its"
+        " parts are left as they are, and restores see the steps before it. A manager"
+        " opened where it can write finishes it.", RuntimeWarning, stacklevel=3)
+    return False
 
 
 def _finish(step_dir: epath.Path) -> bool:

@@ -304,7 +304,7 @@ def _remove_tree(path: epath.Path, *, patience_s: float = 30.0) -> None:
 
 # What storage says when it refuses a removal for good (read-only, no permission):
 # reading needs no removal, so a manager opened there goes on without it.
-_REFUSED = (errno.EROFS, errno.EACCES, errno.EPERM)
+REFUSED_FOR_GOOD = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 def is_unfinished_save(path: epath.Path) -> bool:
@@ -336,7 +336,7 @@ def remove_unfinished_saves(directory: epath.PathLike) -> list[epath.Path]:
       try:
         _remove_tree(child)
       except OSError as error:
-        if error.errno not in _REFUSED:  # a writer still at work in it, a failing disk
+        if error.errno not in REFUSED_FOR_GOOD:  # a writer still at work in it, a failing disk
           raise
         warnings.warn(
             f"{child}: an unfinished save could not be removed ({error}); it is left as it is."

@@ -428,7 +428,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     _parser().error(f"argument --workdir: {error}")
   # fit evaluates at its end unless it was interrupted or trained nothing new.
   ran_final = history.evaluations and history.evaluations[-1][0] == history.final_step
-  after = history.evaluations[-1][1] if ran_final else trainer.evaluate(evaluation)
+  if ran_final:
+    after = history.evaluations[-1][1]
+  elif history.final_step == start_step:  # nothing trained: the state evaluated before
+    after = before
+  else:
+    after = trainer.evaluate(evaluation)
   report(f"after training:  loss {after['loss']:.4f}  auc {after['auc']:.4f}", flush=True)
   result = {
       "steps": history.final_step,

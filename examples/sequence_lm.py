@@ -313,7 +313,8 @@ def main(argv=None) -> dict[str, Any]:
   try:
     # With checkpoints in the workdir, evaluate adopts the newest that restores
     # (one found damaged is skipped), the step fit then resumes from.
-    before = math.exp(trainer.evaluate(evaluation)["loss"])
+    before_loss = trainer.evaluate(evaluation)["loss"]
+    before = math.exp(before_loss)
     start_step = int(trainer.state.step)
     if start_step:
       print(f"resuming from step {start_step}: perplexity {before:.3f}", flush=True)
@@ -325,7 +326,9 @@ def main(argv=None) -> dict[str, Any]:
     elapsed = time.perf_counter() - started
   except IncompatibleCheckpointError as error:  # flags other than the checkpoint's
     parser.error(f"--workdir {args.workdir}: {error}")
-  after_loss = trainer.evaluate(evaluation)["loss"]
+  # Nothing trained (--steps 0): the state evaluated before.
+  trained_any = history.final_step > start_step
+  after_loss = trainer.evaluate(evaluation)["loss"] if trained_any else before_loss
   after = math.exp(after_loss)
   print(f"after training: perplexity {after:.3f} (loss {after_loss:.4f} nats/token)", flush=True)
   trained = history.final_step - start_step

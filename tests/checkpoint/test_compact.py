@@ -191,3 +191,30 @@ def test_a_damaged_chunk_that_later_deltas_rewrote_is_refused_by_convert_and_com
   with pytest.raises(ck.CorruptCheckpointError, match=rf"{chunk}: chunk checksum mismatch"):
     compact(root / "2")
   assert not _is_full(root / "2")
+
+
+def test_an_interrupted_compaction_on_storage_that_refuses_renames_is_left_with_a_warning(
+    saved, tmp_path, monkeypatch):
+  """On read-only storage, opening a manager (as evaluate and predict do) raised the
+  rename's "Read-only file system"; a manager that can write finishes it later."""
+  import errno
+  from etils import epath
+  base, states = saved
+  root = tmp_path / "root"
+  shutil.copytree(base / "delta", root)
+  os.rename(root / str(STEP), root / f"{STEP}{REPLACED_SUFFIX}")
+  local_path = type(epath.Path(root))
+
+  def read_only(self, target):
+    raise OSError(errno.EROFS, "Read-only file system", os.fspath(self))
+
+  monkeypatch.setattr(local_path, "rename", read_only)
+  with pytest.warns(RuntimeWarning, match=rf"{STEP}: a compaction interrupted there could not"
+                                          r" be finished \(.*Read-only file system"):
+    with ck.CheckpointManager(root, keep_latest=10) as manager:
+      assert STEP not in manager.all_steps() and manager.latest_step() == STEP - 1
+  monkeypatch.undo()
+  with pytest.warns(RuntimeWarning, match="interrupted compaction"):
+    with ck.CheckpointManager(root, keep_latest=10) as manager:
+      assert manager.all_steps() == list(range(STEPS))
+  _restores_as_saved(root, states)
