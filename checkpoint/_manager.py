@@ -748,7 +748,7 @@ def _directories_made_before_the_save_returns() -> dict[str, Any]:
 
   Made in a background thread (Orbax's default), a directory that cannot be
   made (read-only or full storage) leaves the save's other threads waiting
-  for it until Orbax's async timeout (20 min): the process hangs after the
+  for it until Orbax's async timeout (10-20 min): the process hangs after the
   save failed. Made inside `save`, the error is raised there and nothing
   waits. Orbax versions without the option keep their own way.
   """

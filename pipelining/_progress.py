@@ -180,9 +180,9 @@ class Progress:
 
 
 def _append_whole_line(path: epath.Path, line: str) -> None:
-  """Appends `line`, or on a local file system nothing: a write the storage cuts short
-  (a full disk) is cut back off, so the file never holds half a record that the next
-  one would be appended to."""
+  """Appends `line` to the file, on a local file system whole or not at all: a write the
+  storage cuts short (a full disk) is cut back off, so the file never holds half a
+  record that the next one would be appended to."""
   if "://" in os.fspath(path):  # cloud storage writes whole objects
     with path.open("a") as f:
       f.write(line)
