@@ -67,7 +67,6 @@ from checkpoint._storage import StorageOptions
 from checkpoint._verify import verify
 
 __all__ = [
-    "check_can_save_under",
     "EmbeddingCheckpointHandler",
     "EmbeddingSave",
     "EmbeddingRestore",
@@ -75,6 +74,7 @@ __all__ = [
     "TableArrays",
     "StorageOptions",
     "CheckpointManager",
+    "check_can_save_under",
     "remove_unfinished_saves",
     "CheckpointReader",
     "convert",

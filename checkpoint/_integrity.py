@@ -287,7 +287,8 @@ def read_manifest(step_dir: epath.Path) -> dict[str, FileEntry]:
   try:
     data = json.loads(path.read_text())
     entries = data["files"]
-    if data.get("format") != INTEGRITY_FORMAT_NAME or data.get("format_version") != INTEGRITY_FORMAT_VERSION:
+    if (data.get("format") != INTEGRITY_FORMAT_NAME
+        or data.get("format_version") != INTEGRITY_FORMAT_VERSION):
       raise ValueError(f"format {data.get('format')!r} version {data.get('format_version')!r}")
     if data.get("digest") != _digest(entries):
       raise ValueError("its digest does not match its entries")

@@ -419,7 +419,7 @@ def check_dense_tree(item_dir: epath.Path, item: str, requested: Any) -> None:
         " configuration (an embedding or layer size) differs from the one that wrote the"
         " checkpoint: restore with the original configuration, or start without this"
         " checkpoint (the embedding tables can still start the new model: read them with"
-        " checkpoint.TableRestore, then Trainer.replace_tables)."
+        " checkpoint.TableRestore and start it from them with replace_tables)."
     )
   _check_same_arrays(item_dir, item, stored_flat, wanted_flat)
 

@@ -234,7 +234,7 @@ def _checked_padding_id(padding_id) -> PaddingId:
 
 
 def fit_arguments(num_steps: int | None, epochs: int | None, eval_data: Iterable[Any] | None,
-                   eval_every: int | None) -> tuple[int | None, int | None, int | None]:
+                  eval_every: int | None) -> tuple[int | None, int | None, int | None]:
   """fit's num_steps, epochs and eval_every as Python ints (or None), checked."""
   num_steps, epochs, eval_every = (python_scalar(v) for v in (num_steps, epochs, eval_every))
   check_count("num_steps", num_steps, minimum=0, optional=True)
