@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sc_framework._byte_order import native_dtype
+
 BatchUse = Literal["training", "evaluation", "prediction"]
 
 # The entries each use needs (present and not None), and those it checks.
@@ -75,7 +77,7 @@ def describe(tree: Any, entry: str = "", where: str = "a batch") -> Shapes:
           " (categories as sparse ids, values as floats) first."
       )
     out[jax.tree_util.keystr(path)] = (
-        tuple(np.shape(leaf)), str(jax.dtypes.canonicalize_dtype(dtype)))
+        tuple(np.shape(leaf)), str(jax.dtypes.canonicalize_dtype(native_dtype(dtype))))
   return out
 
 

@@ -27,6 +27,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from pipelining._steps import DeviceBatch
+from sc_framework._byte_order import native_byte_order
 from sc_framework.preprocessing import PreprocessedBatch
 
 
@@ -60,6 +61,7 @@ def to_global(tree: Any, sharding: NamedSharding, num_devices: int, local_device
   if tree is None:
     return None
   leaves, treedef = jax.tree.flatten(tree)
+  leaves = [native_byte_order(leaf) for leaf in leaves]  # '>f4' data read from files
   # Flat lists: jax reads a tuple in global_shape as a shape, also a NamedTuple.
   shapes = [_global_shape(np.shape(x), num_devices, local_devices, what) for x in leaves]
   return treedef.unflatten(jax.make_array_from_process_local_data(sharding, leaves, shapes))

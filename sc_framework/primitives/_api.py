@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 
+from sc_framework._byte_order import native_byte_order
 from sc_framework.preprocessing._batch import StackBatch
 from sc_framework.primitives import _sharded
 from sc_framework.primitives._checks import (
@@ -110,7 +111,7 @@ def _as_rows(plan: EmbeddingPlan, arrays: dict[str, jax.Array], what: str):
   `what` names the argument in the error (e.g. "activation_grads").
   """
   check_features(plan, arrays, what)
-  return {feature.name: arrays[feature.name].reshape(feature.stacked_batch_size,
+  return {feature.name: native_byte_order(arrays[feature.name]).reshape(feature.stacked_batch_size,
                                                      feature.output_shape[-1])
           for feature in plan.feature_specs}
 
@@ -192,6 +193,7 @@ def apply_stacked_gradients(
   check_step(step)
   check_stacked(plan, stacked_grads, "stacked_grads",
                  "Pass the gradient of the loss with respect to stacked_lookup's result.")
+  stacked_grads = {name: native_byte_order(grads) for name, grads in stacked_grads.items()}
   chosen = get_backend(backend, plan)
   if chosen.apply_stacked_gradients is not None:
     return chosen.apply_stacked_gradients(plan, variables, batch, stacked_grads, step)

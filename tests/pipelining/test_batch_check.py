@@ -225,3 +225,24 @@ def test_dense_features_of_strings_or_objects_are_named(dense):
   with pytest.raises(TypeError, match=rf"batch 2 of the training data: dense has dtype"
                                       rf" {re.escape(str(dense.dtype))}, which no device array"):
     BatchChecker([BATCH], 1, 1).check(raw, "training", 2)
+
+
+def _byte_swapped(batch):
+  """The batch with its dense features and labels as big-endian data read from a file."""
+  swapped = lambda x: x.astype(x.dtype.newbyteorder(">" if np.little_endian else "<"))
+  return {**batch, "dense": swapped(batch["dense"]), "labels": swapped(batch["labels"])}
+
+
+@pytest.mark.parametrize("pipelining", [True, False])
+def test_byte_swapped_dense_features_and_labels_train_and_predict_as_native_ones(pipelining):
+  batches = make_batches(4, seed=11)
+  native, swapped = make_trainer(pipelining=pipelining), make_trainer(pipelining=pipelining)
+  native.initialize(batches[0])
+  swapped.initialize(batches[0])
+  # Native first batches, then swapped ones: the batch check sees the same dtype.
+  mixed = batches[:2] + [_byte_swapped(b) for b in batches[2:]]
+  assert swapped.fit(mixed).final_step == native.fit(batches).final_step == 4
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(swapped.state.params),
+               jax.device_get(native.state.params))
+  np.testing.assert_array_equal(swapped.predict([_byte_swapped(batches[0])]),
+                                native.predict([batches[0]]))
