@@ -31,6 +31,7 @@ from typing import Any, ClassVar, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sc_framework._renamed import refuse_renamed, use_instead
 from sc_framework._scalars import python_scalar_fields
@@ -245,7 +246,12 @@ def resolve_learning_rate(learning_rate: LearningRate, step: jax.Array,
       for every row of the step).
   """
   if callable(learning_rate):
-    rate = jnp.asarray(learning_rate(step), jnp.float32)
+    try:
+      rate = jnp.asarray(learning_rate(step), jnp.float32)
+    except Exception as error:
+      error.add_note(f"(in {owner}'s learning-rate schedule, called with the step: the number"
+                     " of updates applied so far, an integer scalar)")
+      raise
     if rate.shape != ():
       raise ValueError(
           f"{owner}: the learning-rate schedule returned shape {rate.shape}; it"
@@ -266,6 +272,26 @@ def check_learning_rate(owner: str, learning_rate: LearningRate) -> None:
     )
   if not (math.isfinite(learning_rate) and learning_rate > 0):
     raise ValueError(f"{owner}: learning_rate must be finite and > 0, got {learning_rate!r}.")
+
+
+def check_schedule_at_start(owner: str, learning_rate: LearningRate) -> None:
+  """Raises ValueError unless a schedule's rate at step 0 is a finite float >= 0.
+
+  A schedule runs inside the jitted update, where its values cannot be
+  checked; a plan evaluates it once on the host (also when made under a
+  trace), so a schedule that returns NaN or a negative rate (gradient ascent)
+  from the start is refused by name before any table is written. A float
+  rate is checked where it is given.
+  """
+  if not callable(learning_rate):
+    return
+  with jax.ensure_compile_time_eval():  # a value also where a plan is made under jit
+    value = np.float32(resolve_learning_rate(learning_rate, jnp.asarray(0, jnp.int32), owner))
+  if not (np.isfinite(value) and value >= 0):
+    raise ValueError(
+        f"{owner}: the learning-rate schedule returns {value!s} at step 0; a rate must be"
+        " finite and >= 0 (0 only where a warm-up starts)."
+    )
 
 
 def check_range(

@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sc_framework._renamed import SHARDS_RENAMED, refusing_renamed_keywords
 from sc_framework.optimizers import OptimizerSpec, SlotSpec
+from sc_framework.optimizers._base import check_schedule_at_start
 from sc_framework.preprocessing._batch import StackSignature, stack_signature
 from sc_framework.specs import FeatureSpec, TableSpec, tables_of, validate_feature_specs
 from sc_framework.stacking import (
@@ -141,6 +142,9 @@ class EmbeddingPlan:
           f" layout's S is used), pass shards_per_device={layout.shards_per_device}, or build"
           " the layout with the S you want."
       )
+    for table in tables_of(feature_specs):
+      check_schedule_at_start(f"table {table.name!r} ({table.optimizer.owner_name()})",
+                              table.optimizer.learning_rate)
     return cls(tuple(feature_specs), layout, mesh, axis_name)
 
   # --- derived, per stack ---------------------------------------------------

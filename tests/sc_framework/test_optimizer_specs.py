@@ -564,3 +564,43 @@ def test_a_schedule_must_return_one_rate_per_step():
   rows, grads = _rows_and_grads()
   with pytest.raises(ValueError, match=r"SGD: the learning-rate schedule returned shape \(5, 1\)"):
     spec.apply(jnp.asarray(rows), jnp.asarray(grads), {}, jnp.asarray(0), jnp.full((5,), 8))
+
+
+def _plan_with(optimizer):
+  from sc_framework.primitives import EmbeddingPlan  # pylint: disable=g-import-not-at-top
+
+  table = TableSpec("users", 16, 8, optimizer=optimizer)
+  return EmbeddingPlan.create([FeatureSpec("f", table, (8, 1))])
+
+
+@pytest.mark.parametrize("rate, shown", [(math.nan, "nan"), (-0.01, "-0.01"), (math.inf, "inf")])
+def test_a_plan_refuses_a_schedule_whose_rate_at_step_0_is_not_finite_and_at_least_0(rate, shown):
+  with pytest.raises(ValueError, match=re.escape(
+      f"table 'users' (SGD): the learning-rate schedule returns {shown} at step 0; a rate must"
+      " be finite and >= 0")):
+    _plan_with(SGD(lambda step: rate + 0.0 * step))
+
+
+def test_a_plan_takes_a_warm_up_schedule_that_starts_at_0():
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  warm_up = lambda step: 0.1 * jnp.minimum(1.0, step.astype(jnp.float32) / 100)
+  assert _plan_with(Adam(learning_rate=warm_up)).optimizer("users").learning_rate is warm_up
+
+
+def test_a_schedule_of_the_wrong_signature_is_named_with_its_table():
+  with pytest.raises(TypeError) as caught:
+    _plan_with(RowWiseAdagrad(learning_rate=lambda: 0.1))
+  assert "table 'users' (RowWiseAdagrad)'s learning-rate schedule, called with the step" in str(
+      caught.value.__notes__)
+
+
+def test_a_plan_made_under_jit_checks_its_schedule_too():
+  import jax  # pylint: disable=g-import-not-at-top
+
+  def make(x):
+    _plan_with(SGD(lambda step: -1.0 + 0.0 * step))
+    return x
+
+  with pytest.raises(ValueError, match=r"table 'users' \(SGD\): the learning-rate schedule"):
+    jax.jit(make)(1.0)
