@@ -41,10 +41,9 @@ from checkpoint._errors import (
     IncompatibleCheckpointError,
     NotACheckpointError,
     read_error,
-    read_text,
     storage_failure,
 )
-from checkpoint._format import LAYOUT_FILE, MANIFEST_FILE, Manifest, read_save_id
+from checkpoint._format import LAYOUT_FILE, MANIFEST_FILE, Manifest, read_layout, read_save_id
 from checkpoint._reader import CheckpointReader
 from sc_framework.stacking import EmbeddingLayout, global_to_logical_rows, logical_to_global_rows
 
@@ -256,7 +255,7 @@ def _link_states(item: epath.Path, manifest: DeltaManifest | None):
     state = Manifest.from_dict(read_item_manifest(item), str(item / MANIFEST_FILE))
   layout = None
   if state.kind == "stacked":
-    layout = EmbeddingLayout.from_json(read_text(item / LAYOUT_FILE))
+    layout = read_layout(item / LAYOUT_FILE, CorruptCheckpointError)
   return table_states(state, layout)
 
 

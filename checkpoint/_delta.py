@@ -47,6 +47,7 @@ from checkpoint._format import (
     Manifest,
     group_dir,
     new_save_id,
+    read_layout,
     read_save_id,
 )
 from checkpoint._names import encode_name
@@ -397,7 +398,7 @@ class DeltaItem:
     path = self.directory / LAYOUT_FILE
     if not path.exists():
       raise CorruptCheckpointError(f"delta checkpoint {self.directory} has no {LAYOUT_FILE}.")
-    self.layout = EmbeddingLayout.from_json(read_text(path))
+    self.layout = read_layout(path, CorruptCheckpointError)
     self.counts: list[dict[str, int]] = []
     for process in range(manifest.num_processes):
       marker = part_marker(self.directory, process)
@@ -406,8 +407,15 @@ class DeltaItem:
             f"delta checkpoint {self.directory}: the part of process {process} is missing"
             f" ({marker} does not exist); the save did not complete. Restore another step."
         )
-      counts = json.loads(read_text(marker))["rows"]
-      self.counts.append({name: int(counts.get(name, 0)) for name in self.layout.stack_names})
+      try:
+        counts = json.loads(read_text(marker))["rows"]
+        self.counts.append({name: int(counts.get(name, 0)) for name in self.layout.stack_names})
+      except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError,
+              AttributeError) as error:
+        raise CorruptCheckpointError(
+            f"delta checkpoint {self.directory}: the part marker {marker} is damaged ({error})."
+            " Restore another step."
+        ) from error
     self._stores: dict[tuple[str, int, str | None], ts.TensorStore] = {}
 
   @property

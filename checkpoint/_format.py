@@ -40,10 +40,11 @@ import ml_dtypes
 import numpy as np
 from etils import epath
 
-from checkpoint._errors import NotACheckpointError
+from checkpoint._errors import CheckpointError, NotACheckpointError, read_text
 from checkpoint._names import encode_name
 from checkpoint._storage import StorageOptions
 from sc_framework.optimizers import SlotSpec
+from sc_framework.stacking import EmbeddingLayout
 
 FORMAT_NAME = "sc_framework.embedding_checkpoint"
 FORMAT_VERSION = 1
@@ -167,6 +168,26 @@ class Manifest:
 
   def to_json(self) -> str:
     return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+
+def read_layout(path: epath.Path,
+                error: type[CheckpointError] = NotACheckpointError) -> EmbeddingLayout:
+  """The stacking layout of an item's `layout.json` at `path`.
+
+  Raises:
+    error: naming the file, where it is missing, unreadable or holds no
+      valid layout (NotACheckpointError by default; a file that a step's
+      manifest lists is damage, CorruptCheckpointError).
+    CheckpointReadError: the storage refused or did not answer the read.
+  """
+  try:
+    text = read_text(path)
+  except (OSError, UnicodeDecodeError) as cause:
+    raise error(f"{path} cannot be read: {cause}.") from cause
+  try:
+    return EmbeddingLayout.from_json(text)
+  except ValueError as cause:
+    raise error(f"{path}: invalid layout: {cause}") from cause
 
 
 def new_save_id() -> str:

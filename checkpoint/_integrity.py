@@ -2,10 +2,18 @@
 
 A step directory written by `CheckpointManager` holds `integrity.json`:
 
-  {"format": "sc_framework.step_integrity", "format_version": 1,
-   "files": {relative path: {"size": bytes, "crc32c": CRC32C of the file}
+  {"format": "sc_framework.step_integrity", "format_version": 2,
+   "files": {relative path: {"size": bytes, "crc32c": int, "tail": int}
                           | {"size": bytes, "zarr_crc32c": true, "trailer": int}},
    "digest": CRC32C of the canonical JSON of "files"}
+
+A file's "crc32c" is the CRC32C of its bytes before the last 4 and "tail"
+those 4 bytes (little endian); a file under 4 bytes has the CRC32C of all of
+it and no "tail". Not the CRC32C of the whole file: many files end with the
+CRC32C of the bytes before it (OCDBT's manifests and data files do), and the
+CRC32C of such a file is the same constant for every content, so it could not
+tell one step's file from another's. (Manifests of format 1 hold whole-file
+CRC32Cs; they are still read and checked as written.)
 
 It is written after every item is on disk and before Orbax's commit (the
 rename of the temporary directory, or its commit file), so a step without a
@@ -50,7 +58,8 @@ from checkpoint._errors import CorruptCheckpointError, read_error, storage_failu
 
 INTEGRITY_FILE = "integrity.json"
 INTEGRITY_FORMAT_NAME = "sc_framework.step_integrity"
-INTEGRITY_FORMAT_VERSION = 1
+INTEGRITY_FORMAT_VERSION = 2
+_READABLE_FORMAT_VERSIONS = (1, 2)  # 1: whole-file CRC32Cs (see the module doc)
 # Written or rewritten by Orbax's commit after the manifest; never read as data.
 ORBAX_STEP_METADATA = "_CHECKPOINT_METADATA"  # Orbax's step metadata: items, their handlers
 COMMIT_FILES = frozenset({ORBAX_STEP_METADATA, "commit_success.txt"})
@@ -80,8 +89,11 @@ class Problem:
 class FileEntry:
   """One file of the manifest: its size and CRC32C (None: a zarr chunk with its own).
 
-  `trailer` is such a chunk's own checksum (its last 4 bytes, little endian),
-  None where not recorded (a file with `crc32c`, or an older manifest).
+  `trailer` is the file's last 4 bytes (little endian): a zarr chunk's own
+  checksum, or beside `crc32c` (then of the bytes before them) the rest of
+  the file. With `crc32c` and no trailer, `crc32c` covers the whole file (a
+  file under 4 bytes, or a manifest of format 1). A chunk's trailer is None
+  where an older manifest did not record it.
   """
 
   size: int
@@ -215,9 +227,13 @@ def build_manifest(step_dir: epath.Path) -> dict[str, FileEntry]:
 
   def entry(rel: str) -> FileEntry:
     path = step_dir / rel
+    size = path.stat().length
     if _is_zarr_chunk(rel, checksummed):
-      return FileEntry(path.stat().length, None, read_trailer(path))
-    return FileEntry(path.stat().length, crc32c_of_file(path)[0])
+      return FileEntry(size, None, read_trailer(path))
+    if size < 4:
+      return FileEntry(size, crc32c_of_file(path)[0])
+    crc, tail = crc32c_of_file(path, skip_tail=4)
+    return FileEntry(size, crc, int.from_bytes(tail, "little"))
 
   return dict(zip(rels, _concurrently(step_dir, entry, rels)))
 
@@ -288,7 +304,7 @@ def read_manifest(step_dir: epath.Path) -> dict[str, FileEntry]:
     data = json.loads(path.read_text())
     entries = data["files"]
     if (data.get("format") != INTEGRITY_FORMAT_NAME
-        or data.get("format_version") != INTEGRITY_FORMAT_VERSION):
+        or data.get("format_version") not in _READABLE_FORMAT_VERSIONS):
       raise ValueError(f"format {data.get('format')!r} version {data.get('format_version')!r}")
     if data.get("digest") != _digest(entries):
       raise ValueError("its digest does not match its entries")
@@ -315,14 +331,17 @@ def _entry_to_dict(entry: FileEntry) -> dict[str, Any]:
     if entry.trailer is not None:
       out["trailer"] = entry.trailer
     return out
-  return {"size": entry.size, "crc32c": entry.crc32c}
+  if entry.trailer is None:
+    return {"size": entry.size, "crc32c": entry.crc32c}
+  return {"size": entry.size, "crc32c": entry.crc32c, "tail": entry.trailer}
 
 
 def _entry_from_dict(data: dict[str, Any]) -> FileEntry:
   if data.get("zarr_crc32c"):
     trailer = data.get("trailer")
     return FileEntry(int(data["size"]), None, None if trailer is None else int(trailer))
-  return FileEntry(int(data["size"]), int(data["crc32c"]))
+  tail = data.get("tail")
+  return FileEntry(int(data["size"]), int(data["crc32c"]), None if tail is None else int(tail))
 
 
 def _digest(entries: dict[str, Any]) -> int:
@@ -388,7 +407,9 @@ def check_step(
   if wanted is None:
     listed = roots | COMMIT_FILES | {INTEGRITY_FILE}
     for child in sorted(step_dir.iterdir(), key=lambda p: p.name):
-      if child.name not in listed:
+      if child.name in COMMIT_FILES and is_link(child):  # the items' links are named above
+        problems.append(Problem("error", child, "is a symbolic link; nothing is read through one"))
+      elif child.name not in listed:
         problems.append(
             Problem("foreign", child, "not written by the checkpoint manager; left alone")
         )
@@ -435,7 +456,9 @@ def _file_problems(
     return []
   if depth == "structure" and entry.size > _SMALL_FILE:
     return []
-  if crc32c_of_file(path)[0] != entry.crc32c:
+  crc, tail = crc32c_of_file(path, skip_tail=0 if entry.trailer is None else 4)
+  if crc != entry.crc32c or (entry.trailer is not None
+                             and int.from_bytes(tail, "little") != entry.trailer):
     return [Problem("error", path, "checksum mismatch (CRC32C differs from the manifest)")]
   return []
 

@@ -32,6 +32,7 @@ from checkpoint._format import (
     Manifest,
     array_dir,
     numpy_dtype,
+    read_layout,
 )
 from checkpoint._integrity import is_link, links_below
 from sc_framework.optimizers import SlotSpec
@@ -402,11 +403,7 @@ def _read_layout(directory: epath.Path) -> EmbeddingLayout:
   path = directory / LAYOUT_FILE
   if not path.exists():
     raise NotACheckpointError(f"stacked checkpoint {directory} has no {LAYOUT_FILE}.")
-  text = read_text(path)
-  try:
-    return EmbeddingLayout.from_json(text)
-  except ValueError as error:
-    raise NotACheckpointError(f"{path}: invalid layout: {error}") from error
+  return read_layout(path)
 
 
 def _index_tables(

@@ -230,6 +230,32 @@ def _linked_tmp_dir(root: epath.Path) -> epath.Path:
   return root / "41.orbax-checkpoint-tmp-999"
 
 
+def _stale_item(item: str):
+  """Step 2's OCDBT manifest of `item` replaced by step 1's, with step 1's data files beside
+  it: each file is whole and self-consistent (OCDBT's files end with their own CRC32C), but
+  of another step."""
+  def damage(root: epath.Path) -> epath.Path:
+    old, new = root / "1" / item, root / "2" / item
+    for folder, _, names in os.walk(old / "d"):
+      for name in names:
+        target = new / "d" / os.path.relpath(os.path.join(folder, name), old / "d")
+        if not target.exists():
+          shutil.copyfile(os.path.join(folder, name), target)
+    shutil.copyfile(old / "manifest.ocdbt", new / "manifest.ocdbt")
+    return new / "manifest.ocdbt"
+
+  return damage
+
+
+def _swapped_item_manifests(root: epath.Path) -> epath.Path:
+  """Step 2's dense and in-flight OCDBT manifests swapped."""
+  dense, in_flight = root / "2/dense/manifest.ocdbt", root / "2/in_flight/manifest.ocdbt"
+  dense_bytes = dense.read_bytes()
+  dense.write_bytes(in_flight.read_bytes())
+  in_flight.write_bytes(dense_bytes)
+  return dense
+
+
 def _foreign(relative: str):
   def damage(root: epath.Path) -> epath.Path:
     path = root / relative
@@ -249,6 +275,9 @@ def _cases() -> list[Case]:
     cases.append(Case(f"corrupt JSON {target}", _on_file(target, _bad_json), "fallback"))
   cases += [
       Case("link chunk to previous step", _on_file("table chunk", _link_to_previous), "fallback"),
+      Case("stale dense item from previous step", _stale_item("dense"), "fallback"),
+      Case("stale in-flight item from previous step", _stale_item("in_flight"), "fallback"),
+      Case("swapped dense and in-flight manifests", _swapped_item_manifests, "fallback"),
       Case(
           "link stack dir to previous step",
           lambda root: _link(root / "2/embedding/stacks" / _STACK),

@@ -882,3 +882,26 @@ def test_verify_names_a_replaced_link_also_beside_a_stray_file(tmp_path):
   assert any(p.severity == "foreign" and p.path.name == "notes.txt" for p in problems), problems
   assert any(p.severity == "error" and "delta step 2 was saved on top of save" in p.message
              for p in problems), problems
+
+
+def _flip_middle(path):
+  data = bytearray(path.read_bytes())
+  data[len(data) // 2] ^= 1
+  path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damaged", ["0/embedding/layout.json", "2/embedding/parts/0.json"])
+def test_a_damaged_json_file_of_a_chain_is_named_by_verify_inspect_and_restore(tmp_path, capsys,
+                                                                             damaged):
+  _, layout, delta_root, _, states = _train_side_by_side(tmp_path, 2, steps=4)
+  _flip_middle(delta_root / damaged)
+  # verify of the root lists every step's problems, the broken chains included.
+  assert cli.main(["verify", str(delta_root)]) == 1
+  out = capsys.readouterr().out
+  assert str(delta_root / damaged) in out and f"{delta_root / '3'}" in out
+  assert cli.main(["inspect", str(delta_root / "3")]) != 0
+  assert str(delta_root / damaged) in capsys.readouterr().err
+  args = ck.EmbeddingRestore(layout, make_mesh(2), AXIS)
+  with ck.CheckpointManager(delta_root, read_only=True) as mngr:
+    with pytest.raises(ck.CorruptCheckpointError, match=re.escape(str(delta_root / damaged))):
+      mngr.restore(3, args)

@@ -9,6 +9,7 @@ import re
 import shutil
 import warnings
 
+import google_crc32c
 import numpy as np
 from etils import epath
 import optax
@@ -54,9 +55,10 @@ def test_the_manifest_lists_every_file_of_every_item(root):
   assert chunks and all(manifest["files"][rel] == {
       "size": os.path.getsize(step / rel), "zarr_crc32c": True,
       "trailer": int.from_bytes((step / rel).read_bytes()[-4:], "little")} for rel in chunks)
-  assert manifest["files"]["meta/metadata"]["crc32c"] == _integrity.crc32c_of_file(
-      step / "meta/metadata"
-  )[0]
+  data = (step / "meta/metadata").read_bytes()
+  assert manifest["files"]["meta/metadata"] == {
+      "size": len(data), "crc32c": google_crc32c.value(data[:-4]),
+      "tail": int.from_bytes(data[-4:], "little")}
   # Only the step carries a manifest (Orbax finalizes each item the same way).
   assert not any(rel.endswith("/integrity.json") for rel in _files(step))
   assert ck.StorageOptions().checksum == "crc32c"
@@ -573,3 +575,55 @@ def test_verify_names_an_unfinished_save_as_one(root, capsys):
   assert main(["verify", str(root)]) == 0
   out = capsys.readouterr().out
   assert f"{root / '3.orbax-checkpoint-tmp'}: an unfinished save, never a step" in out, out
+
+
+def test_files_that_end_with_their_own_crc32c_get_checksums_of_their_content(root):
+  # OCDBT's files end with the CRC32C of the bytes before it, and the CRC32C of such a
+  # file is one constant whatever it holds: the manifest must not record that.
+  step1, step2 = epath.Path(root / "1"), epath.Path(root / "2")
+  files1 = json.loads((step1 / "integrity.json").read_text())["files"]
+  files2 = json.loads((step2 / "integrity.json").read_text())["files"]
+  rel = "in_flight/manifest.ocdbt"
+  whole = [google_crc32c.value((step / rel).read_bytes()) for step in (step1, step2)]
+  assert whole[0] == whole[1]  # the constant a whole-file CRC32C would record
+  assert files1[rel] != files2[rel]
+  shutil.copyfile(step1 / rel, step2 / rel)
+  problems = _integrity.check_step(step2, depth="items", items=["in_flight"])
+  assert [str(p) for p in _integrity.errors(problems)] == [
+      f"{step2 / rel}: checksum mismatch (CRC32C differs from the manifest)"]
+
+
+def _as_format_1(step_dir):
+  """The step's manifest rewritten as format 1 wrote it: whole-file CRC32Cs."""
+  path = step_dir / "integrity.json"
+  data = json.loads(path.read_text())
+  files = {rel: entry if "zarr_crc32c" in entry else {
+      "size": entry["size"], "crc32c": google_crc32c.value((step_dir / rel).read_bytes())}
+           for rel, entry in data["files"].items()}
+  path.write_text(json.dumps({
+      "format": data["format"], "format_version": 1, "files": files,
+      "digest": google_crc32c.value(json.dumps(files, sort_keys=True).encode())}))
+
+
+def test_a_manifest_of_format_1_is_still_read_and_checked(root, template):
+  root = epath.Path(root)
+  _as_format_1(root / "2")
+  assert _integrity.errors(_integrity.check_step(root / "2", depth="full")) == []
+  layout = template.layout
+  restore = ck.EmbeddingRestore(layout, make_mesh(layout.num_devices), AXIS)
+  with ck.CheckpointManager(root, read_only=True) as manager:
+    restored = manager.restore(2, restore)["embedding"]
+  assert_same_bits(restored.tables["a__b"], template.oracle[2]["tables"]["a__b"])
+  fault_lib._flip(root / "2/meta/metadata")
+  problems = _integrity.errors(_integrity.check_step(root / "2", depth="items"))
+  assert [p.path for p in problems] == [root / "2/meta/metadata"]
+
+
+def test_verify_names_a_link_in_place_of_a_commit_file(root, tmp_path):
+  step = epath.Path(root / "2")
+  target = tmp_path / "elsewhere_metadata"
+  shutil.copyfile(step / _integrity.ORBAX_STEP_METADATA, target)
+  (step / _integrity.ORBAX_STEP_METADATA).unlink()
+  os.symlink(target, step / _integrity.ORBAX_STEP_METADATA)
+  assert [(p.path, p.message) for p in _integrity.errors(ck.verify(step))] == [
+      (step / _integrity.ORBAX_STEP_METADATA, "is a symbolic link; nothing is read through one")]
