@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from sc_framework.primitives._memory import check_fits_host_memory
 from sc_framework.primitives._plan import EmbeddingPlan
 from sc_framework.stacking import StackLayout, logical_rows_in_shard
 
@@ -202,5 +203,10 @@ def init_embedding_variables(
 
   Returns:
     EmbeddingVariables sharded PartitionSpec(axis, None).
+
+  Raises:
+    MemoryError: on CPU devices, tables and slots larger than the host's
+      memory, naming the largest stack (`_memory.check_fits_host_memory`).
   """
+  check_fits_host_memory(plan, dtype)
   return _create_jit(plan, key, jnp.dtype(dtype))
