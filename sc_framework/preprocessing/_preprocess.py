@@ -240,7 +240,10 @@ def preprocess(
       0 gets zero activations under 'mean' and 'sqrtn', as one without ids),
       weights that float32 cannot hold or so large that a gain overflows
       float32, or (without dropping) a partition overflow; each message names
-      the feature or stack, the value and a fix.
+      the feature or stack, the value and a fix. Gains are checked one by
+      one: an activation sums gain * row over a sample's ids in float32, so
+      finite gains near float32's largest value (3.4e38) can still sum to
+      infinity; keep weights in a range where sums of them stay finite.
     TypeError: ids that are not integers, a malformed input (a numpy masked
       array included: its mask would be dropped), or an allow_id_dropping that
       is not a bool.
