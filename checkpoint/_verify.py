@@ -18,6 +18,7 @@ import ast
 import json
 import re
 
+import orbax.checkpoint as ocp
 import tensorstore as ts
 from etils import epath
 
@@ -264,16 +265,29 @@ def adopt_step(step_dir: epath.PathLike) -> list[Problem]:
   if problems:
     return problems
   for rel, path, kind in _integrity.walk(step_dir):
-    if kind == "file" and (path.name.endswith(".json")
-                           or path.name == _integrity.ORBAX_STEP_METADATA):
+    if kind == "file" and _is_json_file(path):
       try:
-        json.loads(path.read_text())
-      except (OSError, ValueError) as error:
+        value = json.loads(path.read_text())
+        if path.name == _SHARDINGS:  # each value is a sharding, itself as JSON text
+          for sharding in value.values():
+            json.loads(sharding)
+      except (OSError, ValueError, AttributeError, TypeError) as error:
         problems.append(Problem("error", path, f"is not readable JSON ({error})"))
   problems.extend(_item_problems(step_dir))
   if not _integrity.errors(problems):
     _integrity.write_manifest(step_dir)
   return problems
+
+
+# Orbax's JSON files without a .json suffix: a step's and a PyTree item's metadata, the
+# item's shardings and its per-process array metadata.
+_SHARDINGS = "_sharding"
+_ORBAX_JSON_FILES = frozenset({_integrity.ORBAX_STEP_METADATA, "_METADATA", _SHARDINGS})
+
+
+def _is_json_file(path: epath.Path) -> bool:
+  return (path.name.endswith(".json") or path.name in _ORBAX_JSON_FILES
+          or path.parent.name == "array_metadatas")
 
 
 def _item_problems(step_dir: epath.Path) -> list[Problem]:
@@ -344,6 +358,12 @@ def _pytree_item_problems(item: epath.Path) -> list[Problem]:
     use_ocdbt = bool(metadata.get("use_ocdbt", True))
   except (OSError, ValueError, AttributeError) as error:
     return [Problem("error", path, f"is not readable JSON ({error})")]
+  try:  # Orbax's own reading: every key type and leaf type it must know
+    ocp.PyTreeCheckpointHandler().metadata(item)
+  except Exception as error:  # noqa: BLE001 - Orbax raises ValueError, KeyError and others
+    if _errors.storage_failure(error) is not None:
+      raise _errors.read_error(error, f"reading {path} failed") from error
+    return [Problem("error", path, f"is not a tree Orbax restores ({error})")]
   arrays = _stored_arrays(metadata)
   if not use_ocdbt:
     return [Problem("error", item / array, "is missing: the tree's array is not stored")

@@ -205,6 +205,13 @@ class TrainerCheckpoints:
           f" {meta.get('format') if isinstance(meta, dict) else meta!r}, expected one of"
           f" {list(_FORMATS)})."
       )
+    stored_step = meta.get("step", step)
+    if stored_step != step:
+      raise IncompatibleCheckpointError(
+          f"{self.directory / str(step)}: its meta item is that of step {stored_step!r}, not"
+          f" {step}: the step folder, or its meta item, was renamed or copied by hand. Resuming"
+          " it would mix two steps' states; rename the folder back or remove it."
+      )
     return meta
 
   def read_data_state(self, step: int) -> dict[str, Any]:

@@ -17,12 +17,24 @@ import glob
 import importlib.util
 import mmap
 import os
+import re
 import shutil
 import tempfile
 
-_FLAG = "--xla_force_host_platform_device_count=8"
-if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+# Exactly 8 devices, whatever count a user's XLA_FLAGS already asks for (their other
+# flags are kept).
+_DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=\S*")
+os.environ["XLA_FLAGS"] = " ".join(
+    _DEVICE_COUNT.sub("", os.environ.get("XLA_FLAGS", "")).split()
+    + ["--xla_force_host_platform_device_count=8"])
+# The suite checks the library as JAX runs by default: on the CPU, in float32, with
+# its usual promotion rules. A user's environment that changes them (JAX_ENABLE_X64=1
+# set for other work, JAX_PLATFORMS=cuda) would fail tests that are right.
+for _name in ("JAX_ENABLE_X64", "JAX_DEFAULT_MATMUL_PRECISION", "JAX_NUMPY_RANK_PROMOTION",
+              "JAX_NUMPY_DTYPE_PROMOTION", "JAX_DEBUG_NANS", "JAX_DEBUG_INFS", "JAX_DISABLE_JIT",
+              "JAX_DEFAULT_PRNG_IMPL"):
+  os.environ.pop(_name, None)
+os.environ["JAX_PLATFORMS"] = "cpu"
 
 # The 8 devices' threads meet in every collective; XLA ends the process when
 # one has not arrived after 40 s, which a machine busy with other work (8
@@ -46,7 +58,6 @@ def _jaxlib_knows(flag: str) -> bool:
 
 if _PATIENCE not in os.environ.get("XLA_FLAGS", "") and _jaxlib_knows(_PATIENCE):
   os.environ["XLA_FLAGS"] += f" --{_PATIENCE}=300"
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 _XLA_CACHE = tempfile.mkdtemp(prefix="sc-framework-tests-xla-cache-")
 atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)

@@ -7,6 +7,7 @@ touching a freed block again (minor faults, one per 4 KiB page mapped anew).
 """
 
 import ctypes.util
+import os
 import subprocess
 import sys
 
@@ -23,6 +24,7 @@ spec = importlib.util.spec_from_file_location("host_allocator", sys.argv[3])
 host_allocator = importlib.util.module_from_spec(spec)  # alone: no jax to import
 spec.loader.exec_module(host_allocator)
 libc = ctypes.CDLL(None)
+libc.prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE: 4 KiB pages, so a fault per page
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
 def touch(size):
@@ -41,9 +43,13 @@ print(configured, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 
 def _faults_touching_again(mode: str, size_mib: int) -> tuple[str, int]:
+  # glibc's defaults: a user's tunables, malloc variables or preloaded allocator
+  # (jemalloc, tcmalloc) would change what is measured.
+  environment = {name: value for name, value in os.environ.items()
+                 if not name.startswith(("MALLOC_", "GLIBC_TUNABLES", "LD_PRELOAD"))}
   result = subprocess.run(
       [sys.executable, "-c", _PROBE, mode, str(size_mib), host_allocator.__file__],
-      capture_output=True, text=True, check=True, timeout=60)
+      capture_output=True, text=True, check=True, timeout=60, env=environment)
   configured, faults = result.stdout.split()
   return configured, int(faults)
 
