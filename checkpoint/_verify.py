@@ -344,7 +344,8 @@ _PYTREE_METADATA = "_METADATA"  # A PyTree item's tree: every leaf and how it is
 
 def _pytree_item_problems(item: epath.Path) -> list[Problem]:
   """A PyTree item (Orbax's `PyTreeCheckpointHandler`, `StandardCheckpointHandler`): its
-  `_METADATA` parses, and every array leaf it names is stored and reads back.
+  `_METADATA` parses, every array leaf it names is stored and reads back, and Orbax
+  reads the tree (every key type and leaf type one it knows).
 
   OCDBT items (the default) are read key by key through TensorStore, so a
   data file that is missing or truncated fails; other items must hold each
@@ -355,15 +356,24 @@ def _pytree_item_problems(item: epath.Path) -> list[Problem]:
     return [Problem("error", path, "is missing: a PyTree item without it does not restore")]
   try:
     metadata = json.loads(path.read_text())
-    use_ocdbt = bool(metadata.get("use_ocdbt", True))
+    metadata.get("use_ocdbt")
   except (OSError, ValueError, AttributeError) as error:
     return [Problem("error", path, f"is not readable JSON ({error})")]
+  problems = _pytree_arrays_problems(item, metadata)
+  if problems:
+    return problems
   try:  # Orbax's own reading: every key type and leaf type it must know
     ocp.PyTreeCheckpointHandler().metadata(item)
   except Exception as error:  # noqa: BLE001 - Orbax raises ValueError, KeyError and others
     if _errors.storage_failure(error) is not None:
       raise _errors.read_error(error, f"reading {path} failed") from error
     return [Problem("error", path, f"is not a tree Orbax restores ({error})")]
+  return []
+
+
+def _pytree_arrays_problems(item: epath.Path, metadata: dict) -> list[Problem]:
+  """Every array leaf of a PyTree item's `metadata` stored, and its OCDBT store read back."""
+  use_ocdbt = bool(metadata.get("use_ocdbt", True))
   arrays = _stored_arrays(metadata)
   if not use_ocdbt:
     return [Problem("error", item / array, "is missing: the tree's array is not stored")

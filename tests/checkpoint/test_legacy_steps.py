@@ -101,6 +101,13 @@ def full_steps(tmp_path_factory):
   return fault_lib.build_template(tmp_path_factory.mktemp("full") / "checkpoints")
 
 
+def _replace_in(path, old, new):
+  """The first `old` in the file replaced by `new` (a flipped byte or two)."""
+  text = path.read_text()
+  assert old in text
+  path.write_text(text.replace(old, new, 1))
+
+
 def _remove_dense_data_file(step_dir):
   next(p for p in sorted((step_dir / "dense" / "d").iterdir()) if p.is_file()).unlink()
 
@@ -123,8 +130,17 @@ def _remove_dense_data_file(step_dir):
      r"dense/manifest.ocdbt: is missing"),
     (lambda step: (step / "meta" / "metadata").unlink(),
      r"meta: holds no file: the JSON item.s value is missing"),
+    (lambda step: _replace_in(step / "dense" / "_sharding", r'\"sharding_type\"',
+                              r'\"sharding_type'),
+     r"dense/_sharding: is not readable JSON"),
+    (lambda step: _replace_in(step / "dense" / "_METADATA", '"jax.Array"', '"jax/Array"'),
+     r"dense/_METADATA: is not a tree Orbax restores \(Unknown type"),
+    (lambda step: _replace_in(step / "in_flight" / "_METADATA", '"key_type": 2',
+                              '"key_type": 3'),
+     r"in_flight/_METADATA: is not a tree Orbax restores \(3 is not a valid KeyType"),
 ], ids=["embedding item", "meta item", "embedding manifest", "dense data file",
-        "dense never merged", "dense emptied", "dense tree alone", "meta value"])
+        "dense never merged", "dense emptied", "dense tree alone", "meta value",
+        "dense shardings", "dense leaf type", "in-flight key type"])
 def test_adopt_refuses_a_partial_copy(full_steps, tmp_path, capsys, damage, message):
   """Each was adopted (0 errors, integrity.json written); a Trainer then raised
   MissingItemError or TensorStore's NOT_FOUND on every resume."""

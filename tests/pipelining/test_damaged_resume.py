@@ -8,6 +8,9 @@ step numbers again (the damaged steps are kept aside).
 
 from __future__ import annotations
 
+import re
+import shutil
+
 import numpy as np
 import optax
 import pytest
@@ -325,3 +328,20 @@ def test_a_refused_read_of_a_chain_links_manifest_fails_the_fit_and_leaves_the_s
   history = resumed.fit(batches)
   assert history.resumed_from == 5 and history.final_step == 7
   assert_same_run(resumed, reference_run(batches))
+
+
+def test_a_meta_item_of_another_step_adopted_into_a_step_is_refused_naming_both(tmp_path):
+  """A step copied together by hand (no manifest, then adopted) from two steps' items:
+  the meta item's data position is another step's, and resuming trained on wrongly."""
+  from checkpoint.cli import main  # pylint: disable=g-import-not-at-top
+
+  batches = make_batches(6, seed=140)
+  make_trainer(tmp_path).fit(batches, num_steps=4)
+  root = tmp_path / "checkpoints"
+  shutil.rmtree(root / "4" / "meta")
+  shutil.copytree(root / "3" / "meta", root / "4" / "meta")
+  (root / "4" / "integrity.json").unlink()
+  assert main(["verify", "--adopt", str(root / "4")]) == 0  # each item is sound alone
+  with pytest.raises(ck.IncompatibleCheckpointError, match=re.escape(
+      f"{root / '4'}: its meta item is that of step 3, not 4")):
+    make_trainer(tmp_path).fit(batches)
