@@ -50,7 +50,9 @@ def verify_source(
   Args:
     src: the source: a step directory or an embedding item.
     item: the embedding item (`src` itself, or the one inside the step);
-      None when there is none, which the reader reports.
+      None when there is none, which the reader reports (after the step's
+      own check where `src` is a step with a manifest: an item that lost its
+      manifest.json is damage, named as such).
     depth: `_integrity.Depth`; 'structure' checks sizes and small files
       only (a cheap check before the source's layout is read).
 
@@ -64,6 +66,8 @@ def verify_source(
     NotACheckpointError: a step without an integrity manifest.
   """
   if item is None:
+    if (src / _integrity.INTEGRITY_FILE).exists():
+      _check(src, None, depth)
     return []
   if item != src:
     step, items = src, None

@@ -284,6 +284,7 @@ def _source(path: str, quiet: bool) -> epath.Path:
   except NotACheckpointError as error:
     raise NotACheckpointError(f"{error}{_not_a_checkpoint_hint(src)}") from None
   if "latest_step" not in info:  # a step directory without an embedding item
+    verify_source(src, None)  # a step whose item lost its manifest.json: damage, named
     raise NotACheckpointError(
         f"{src} has no embedding item (no subdirectory with {MANIFEST_FILE}); give the step"
         " directory of an embedding checkpoint or its embedding item."

@@ -331,6 +331,19 @@ def test_an_integrity_failure_is_one_line_naming_every_file(saved, tmp_path, cap
   assert "failed its integrity check: " in err and not (tmp_path / "x").exists()
 
 
+def test_a_step_whose_embedding_item_lost_its_manifest_is_named_damaged(saved, tmp_path, capsys):
+  """It was 'has no embedding item' (cli) or 'an unfinished save never writes one' (convert)."""
+  _, _, root = saved
+  missing = root / "3" / "embedding" / "manifest.json"
+  missing.unlink()
+  assert main(["convert", str(root / "3"), str(tmp_path / "x"), "--unstacked", "--quiet"]) == 1
+  err = capsys.readouterr().err
+  assert f"{missing}: is missing (listed in the step's integrity manifest)" in err, err
+  with pytest.raises(ck.CorruptCheckpointError, match=f"{missing}: is missing"):
+    ck.convert(root / "3", tmp_path / "y", "unstacked")
+  assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
 def test_a_warning_is_one_line_like_the_errors(saved, tmp_path, capsys):
   """An entry the step's manifest does not list is named, without Python's warning format."""
   _, _, root = saved
