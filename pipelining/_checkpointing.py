@@ -208,9 +208,10 @@ class TrainerCheckpoints:
     stored_step = meta.get("step", step)
     if stored_step != step:
       raise IncompatibleCheckpointError(
-          f"{self.directory / str(step)}: its meta item is that of step {stored_step!r}, not"
-          f" {step}: the step folder, or its meta item, was renamed or copied by hand. Resuming"
-          " it would mix two steps' states; rename the folder back or remove it."
+          f"{self.directory / str(step)} holds the state after {stored_step!r} updates, not"
+          f" {step}: the step folder was renamed or copied by hand (its meta item says"
+          f" {stored_step!r}). Resuming it would count the steps wrongly or mix two steps;"
+          f" rename it back to {stored_step!r} if it was renamed, or remove it."
       )
     return meta
 

@@ -343,5 +343,6 @@ def test_a_meta_item_of_another_step_adopted_into_a_step_is_refused_naming_both(
   (root / "4" / "integrity.json").unlink()
   assert main(["verify", "--adopt", str(root / "4")]) == 0  # each item is sound alone
   with pytest.raises(ck.IncompatibleCheckpointError, match=re.escape(
-      f"{root / '4'}: its meta item is that of step 3, not 4")):
+      f"{root / '4'} holds the state after 3 updates, not 4: the step folder was renamed or"
+      " copied by hand (its meta item says 3)")):
     make_trainer(tmp_path).fit(batches)
