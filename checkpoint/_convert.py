@@ -57,7 +57,9 @@ import collections
 import concurrent.futures
 import dataclasses
 import json
+import errno
 import os
+import shutil
 import socket
 import warnings
 from collections.abc import Callable
@@ -198,6 +200,7 @@ def convert(
         " points to, or another destination."
     )
   check_destination(src, dst)
+  _check_no_interrupted_replacement(dst)
   item = src if (src / MANIFEST_FILE).exists() else find_item(src)
   if dst.exists() and not overwrite:
     raise FileExistsError(f"{dst} already exists; choose another destination or pass overwrite.")
@@ -227,6 +230,8 @@ def convert(
         RuntimeWarning,
         stacklevel=2,
     )
+  if target != "unstacked" and storage.compression == "none":
+    _check_room(dst, target, _converted_states(reader, table_dtype))
   tmp = _fresh_temporary_directory(dst)
   try:
     if item is not None and item != src:
@@ -250,6 +255,40 @@ def convert(
     raise
   _put_in_place(tmp, dst)
   return dst if item is None or item == src else dst / item.name
+
+
+def _check_room(dst: epath.Path, target: EmbeddingLayout, states: dict) -> None:
+  """Raises OSError (ENOSPC) before anything is written when the stacked tables and
+  slots of `target` (uncompressed) exceed the free space where `dst` goes (local paths).
+
+  Each table is padded to a multiple of 8 N rows (N = G * S shards), so a
+  target of many devices or shards can be far larger than its source.
+  """
+  if "://" in os.fspath(dst):
+    return
+  needed = 0
+  for stack in target.stacks:
+    if stack.tables[0].name not in states:
+      continue  # a table the source lacks: refused when the conversion plans its reads
+    kept, _ = states[stack.tables[0].name]
+    width = stack.padded_embedding_dim
+    row_bytes = width * numpy_dtype(kept["dtype"]).itemsize
+    for slot in kept["slots"]:
+      row_bytes += slot.stacked_width(width) * numpy_dtype(kept["slot dtypes"][slot.name]).itemsize
+    needed += stack.vocabulary_size * row_bytes
+  parent = epath.Path(os.path.abspath(os.fspath(dst)))
+  while not parent.exists() and parent != parent.parent:
+    parent = parent.parent
+  free = shutil.disk_usage(os.fspath(parent)).free
+  if needed > free:
+    raise OSError(
+        errno.ENOSPC,
+        f"the target's stacked tables and slots need {needed / 2**30:,.1f} GiB, more than the"
+        f" {free / 2**30:,.1f} GiB free at {parent}: nothing was written. The target has"
+        f" {target.num_devices:,} devices x {target.shards_per_device:,} shards, and every"
+        f" table is padded to a multiple of 8 x {target.num_shards:,} rows; check the device"
+        " and shard counts, or free space."
+    )
 
 
 def _converted_states(reader, table_dtype: np.dtype | None) -> dict:
@@ -368,6 +407,24 @@ def _process_alive(pid: int) -> bool:
   return True
 
 
+def _interrupted_replacement_error(replaced: epath.Path, dst: epath.Path,
+                                   then: str) -> FileExistsError:
+  return FileExistsError(
+      f"{replaced} is left by an interrupted replacement of {dst} (the step replaced, or part"
+      f" of it); {then} Where {dst} is a step of a checkpoints root, opening that root with a"
+      " writable CheckpointManager resolves it (the old step is put back, or the leftover"
+      f" removed beside a complete new one); otherwise remove {replaced} once"
+      f" `sc-checkpoint verify {dst}` passes."
+  )
+
+
+def _check_no_interrupted_replacement(dst: epath.Path) -> None:
+  """Raises before any work when an interrupted replacement of `dst` left `<dst>.replaced`."""
+  replaced = dst.parent / (dst.name + REPLACED_SUFFIX)
+  if _integrity.is_link(replaced) or replaced.exists():
+    raise _interrupted_replacement_error(replaced, dst, "nothing was converted.")
+
+
 def _put_in_place(tmp: epath.Path, dst: epath.Path) -> None:
   """Renames the complete conversion `tmp` to `dst`, replacing what is there by renames.
 
@@ -383,12 +440,9 @@ def _put_in_place(tmp: epath.Path, dst: epath.Path) -> None:
     tmp.rename(dst)
     return
   replaced = dst.parent / (dst.name + REPLACED_SUFFIX)
-  if _integrity.is_link(replaced) or replaced.exists():
-    raise FileExistsError(
-        f"{replaced} is in the way of replacing {dst} (left by an interrupted replacement?);"
-        f" the conversion is complete at {tmp}. Remove or move {replaced} and rename {tmp} to"
-        f" {dst}."
-    )
+  if _integrity.is_link(replaced) or replaced.exists():  # made while converting
+    raise _interrupted_replacement_error(
+        replaced, dst, f"the conversion is complete at {tmp}, and {dst} is left as it was.")
   dst.rename(replaced)
   tmp.rename(dst)
   replaced.rmtree()

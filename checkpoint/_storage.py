@@ -159,6 +159,8 @@ def as_path(value: epath.PathLike, what: str = "path") -> epath.Path:
       absolute local path; the message names `what` and the value.
   """
   text = os.fspath(value)
+  if not text:
+    raise ValueError(f"{what} is empty; give a path ('.' for the current directory).")
   if text.startswith("file://"):
     local = text[len("file://"):]
     if not local.startswith("/"):

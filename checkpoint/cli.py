@@ -208,6 +208,8 @@ def _target(args: argparse.Namespace, reader: CheckpointReader):
     path = as_path(args.layout, "--layout")
     if not path.exists():
       raise ValueError(f"--layout {path}: no such file.")
+    if path.is_dir():
+      raise ValueError(f"--layout {path}: a directory; give the layout's JSON file.")
     try:
       base = EmbeddingLayout.from_json(path.read_text())
     except ValueError as error:
@@ -215,7 +217,11 @@ def _target(args: argparse.Namespace, reader: CheckpointReader):
   groups = None
   if args.groups not in (None, "same"):
     names = base.table_names if base is not None else reader.table_names
-    groups = [[name] for name in names] if args.groups == "separate" else parse_groups(args.groups)
+    try:
+      groups = [[name] for name in names] if args.groups == "separate" else parse_groups(
+          args.groups)
+    except ValueError as error:
+      raise ValueError(f"--groups {args.groups!r}: {error}") from error
     unknown = sorted({name for group in groups for name in group} - set(names))
     if unknown:
       raise ValueError(
@@ -376,6 +382,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     with warnings.catch_warnings():
       warnings.showwarning = functools.partial(_show_warning, args.command)
       return _COMMANDS[args.command](args)
+  except KeyboardInterrupt:
+    print(f"sc-checkpoint {args.command}: interrupted; {_interrupted_leaves(args)}",
+          file=sys.stderr)
+    return 130
   except _StdoutClosed:
     # The reader of stdout stopped (`inspect ... | head`): not an error of ours.
     # Python's final flush of the dead pipe goes to /dev/null instead.
@@ -390,6 +400,20 @@ def main(argv: Sequence[str] | None = None) -> int:
       message = f"{_operands(args)}: {message}"  # the storage's error (ENOSPC) names no file
     print(f"sc-checkpoint {args.command}: error: {_one_line(str(message))}", file=sys.stderr)
     return 1
+  except ImportError as error:  # gs:// or s3:// without the package etils.epath needs for it
+    print(f"sc-checkpoint {args.command}: error: {_operands(args)}: {error}", file=sys.stderr)
+    return 1
+
+
+def _interrupted_leaves(args: argparse.Namespace) -> str:
+  """What an interrupted command leaves behind, for its message."""
+  if args.command == "convert":
+    return (f"{args.dst} holds no conversion marked complete unless it had just finished;"
+            " run the command again.")
+  if args.command == "compact":
+    return (f"run it again: it finishes or undoes a compaction of {args.step_dir} that was"
+            " cut short (as does a writable CheckpointManager opening its root).")
+  return "nothing was changed."
 
 
 def _operands(args: argparse.Namespace) -> str:

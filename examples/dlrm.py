@@ -223,6 +223,7 @@ def _workdir_flag(text: str) -> str:
 
 def _parser() -> argparse.ArgumentParser:
   from sc_framework.cli_types import integer_at_least, positive_float
+  from sc_framework.cli_types import seed as seed_type
 
   parser = _Parser(prog="dlrm.py", description=__doc__.split("\n\n")[0], allow_abbrev=False,
                    formatter_class=_HelpFormatter)
@@ -245,7 +246,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="checkpoints, metrics.jsonl and the plot; '' disables them")
   parser.add_argument("--save-every", type=positive, default=100,
                       help="steps between checkpoints (with a workdir; one also at the end)")
-  parser.add_argument("--seed", type=count, default=0,
+  parser.add_argument("--seed", type=seed_type, default=0,
                       help="seeds the initialisation and the synthetic data")
   parser.add_argument("--learning-rate", type=positive_float, default=0.003,
                       help="Adam learning rate of the dense layers")

@@ -195,6 +195,7 @@ def cross_entropy(logits, labels):
 
 def build_parser() -> argparse.ArgumentParser:
   from sc_framework.cli_types import integer_at_least, positive_float, workdir_path
+  from sc_framework.cli_types import seed as seed_type
 
   parser = argparse.ArgumentParser(
       description=__doc__.split("\n\n")[0], allow_abbrev=False,
@@ -227,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="checkpoints, metrics.jsonl and the plot; '' disables them")
   parser.add_argument("--save-every", type=integer_at_least(1), default=500,
                       help="steps between checkpoints")
-  parser.add_argument("--seed", type=integer_at_least(0), default=0,
+  parser.add_argument("--seed", type=seed_type, default=0,
                       help="selects the source, the corpus and the initialisation")
   parser.add_argument("--learning-rate", type=positive_float, default=0.01,
                       help="dense Adam learning rate")
@@ -269,7 +270,10 @@ def load_corpus(args, parser_error) -> dict[str, Any]:
     vocab = args.vocab
     name = f"order-2 Markov source, {args.vocab} tokens, {args.successors} successors"
   else:
-    tokens, vocabulary = text_tokens(args.text)
+    try:
+      tokens, vocabulary = text_tokens(args.text)
+    except UnicodeDecodeError as error:
+      parser_error(f"--text {args.text!r} is not UTF-8 text (byte {error.start}: {error.reason})")
     vocab, entropy, name = len(vocabulary), None, f"{args.text} ({len(vocabulary)} characters)"
     if tokens.size * EVAL_FRACTION <= args.seq_len + 1:
       parser_error(f"--text {args.text!r} holds {tokens.size} characters, too few for"

@@ -28,7 +28,7 @@ wrong thing.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import jax
@@ -84,6 +84,15 @@ def describe(tree: Any, entry: str = "", where: str = "a batch") -> Shapes:
 def batch_name(use: BatchUse, index: int | None) -> str:
   """How messages name a batch: "batch 3 of the training data" (0-based), or "a batch"."""
   return "a batch" if index is None else f"batch {index} of the {use} data"
+
+
+def check_iterable(data: Any, argument: str) -> None:
+  """Raises TypeError naming `argument` when `data` cannot be iterated (None, a number)."""
+  if not isinstance(data, Iterable):
+    raise TypeError(
+        f"{argument} must be an iterable of batches (a list, a generator, a data loader), got"
+        f" {type(data).__name__} {data!r}."
+    )
 
 
 def check_not_one_batch(data: Any, argument: str) -> None:

@@ -38,6 +38,13 @@ def checked_callbacks(callbacks: Sequence[Callback]) -> tuple[Callback, ...]:
   if isinstance(callbacks, Callback) or (
       not isinstance(callbacks, (list, tuple)) and hasattr(callbacks, HOOKS[0])):
     callbacks = (callbacks,)
+  try:
+    callbacks = tuple(callbacks)
+  except TypeError:  # one function or another object that is no sequence of callbacks
+    raise TypeError(
+        f"callbacks must be a sequence of pipelining.Callback objects (subclass Callback and"
+        f" override the hooks you need, e.g. on_step_end), got {callbacks!r}."
+    ) from None
   for callback in callbacks:
     missing = [name for name in HOOKS if not callable(getattr(callback, name, None))]
     if missing and not isinstance(callback, Callback):

@@ -156,11 +156,20 @@ class TrainerConfig:
           f"TrainerConfig.seed must be an int (it seeds the tables' and the dense parameters'"
           f" initialisation), got {self.seed!r}."
       )
+    if not -2**63 <= self.seed < 2**63:
+      raise ValueError(
+          f"TrainerConfig.seed must fit int64 (JAX's PRNG keys take no more), got {self.seed}."
+      )
     object.__setattr__(self, "eval_metrics", _metric_names(self.eval_metrics))
     unknown = [m for m in self.eval_metrics if m not in ("auc",)]
     if unknown:
       raise ValueError(f"TrainerConfig.eval_metrics: unknown metrics {unknown}; known: ['auc'].")
     if self.workdir is not None:
+      if isinstance(self.workdir, str) and not self.workdir:
+        raise ValueError(
+            "TrainerConfig.workdir is '': pass None for no checkpoints and metrics, or a"
+            " directory ('.' for the current one)."
+        )
       workdir = as_path(self.workdir, "TrainerConfig.workdir")
       if "://" not in str(workdir):
         # Orbax writes multi-process checkpoints only to absolute paths.

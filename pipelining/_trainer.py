@@ -25,7 +25,12 @@ from pipelining._agreement import (
     warn_data_ended_elsewhere,
     warn_passes_out_of_step,
 )
-from pipelining._batch_check import BatchUse, check_labels_fit_predictions, check_not_one_batch
+from pipelining._batch_check import (
+    BatchUse,
+    check_iterable,
+    check_labels_fit_predictions,
+    check_not_one_batch,
+)
 from pipelining._callbacks import Callback, checked_callbacks, each_fit_end
 from pipelining._config import TrainerConfig, fit_arguments
 from pipelining._damage import DamagedStep, none_restores_error, one_shot_data_error
@@ -537,6 +542,7 @@ class Trainer:
           " data position and the checkpoints, which a second one would mix. Stop the running"
           " fit (trainer.request_stop() in a callback, or early stopping) and call fit again"
           " after it returns.")
+    check_iterable(train_data, "fit's train_data")
     check_not_one_batch(train_data, "fit's train_data")
     check_not_one_batch(eval_data, "fit's eval_data")
     num_steps, epochs, eval_every = fit_arguments(num_steps, epochs, eval_data, eval_every)
@@ -835,6 +841,7 @@ class Trainer:
 
   def _prepared(self, data: Iterable[Any], use: BatchUse) -> Iterator[DeviceBatch]:
     """The staged batches of `data` (evaluate or predict), built on the first one."""
+    check_iterable(data, f"the {use} data")
     check_not_one_batch(data, f"the {use} data")
     with Prefetcher(iter(data), lambda raw, index: self._stager.stage(raw, use, index).batch,
                     depth=self.config.prefetch_depth,

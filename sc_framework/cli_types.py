@@ -20,8 +20,8 @@ import os
 from collections.abc import Callable
 
 
-def integer_at_least(minimum: int) -> Callable[[str], int]:
-  """A type accepting an integer n >= `minimum`."""
+def integer_at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+  """A type accepting an integer n >= `minimum` (and <= `maximum`, where given)."""
 
   def parse(text: str) -> int:
     try:
@@ -30,10 +30,16 @@ def integer_at_least(minimum: int) -> Callable[[str], int]:
       raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if value < minimum:
       raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+      raise argparse.ArgumentTypeError(f"must be <= {maximum}, got {value}")
     return value
 
   parse.__name__ = f"int >= {minimum}"  # argparse names the type by it
   return parse
+
+
+# A seed: JAX's PRNG keys and numpy's generators take any int64 >= 0.
+seed = integer_at_least(0, 2**63 - 1)
 
 
 def positive_float(text: str) -> float:
@@ -66,4 +72,8 @@ def workdir_path(text: str) -> str:
   if parent and not os.path.isdir(parent):
     raise argparse.ArgumentTypeError(
         f"{text!r} cannot be created: {parent!r} is not a directory")
+  if not os.access(parent or os.curdir, os.W_OK | os.X_OK):
+    raise argparse.ArgumentTypeError(
+        f"{text!r} cannot be written: {parent or os.curdir!r} is read-only or not writable"
+        " by this user")
   return text

@@ -19,6 +19,7 @@ from sc_framework.stacking._layout import (
     StackLayout,
     TablePlacement,
     check_layout,
+    check_shards_per_device,
     round_up,
 )
 
@@ -64,6 +65,7 @@ def _checked_devices(num_devices: int, shards_per_device: int) -> tuple[int, int
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
       raise ValueError(f"{name} must be a positive int, got {value!r}.")
     checked.append(value)
+  check_shards_per_device(checked[1])
   return checked[0], checked[1]
 
 

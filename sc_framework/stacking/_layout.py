@@ -292,6 +292,10 @@ class EmbeddingLayout:
 
 
 MAX_ROWS_PER_DEVICE = 2**31 - 1
+# S is the SparseCores of one chip (4 on v5p, 2 on v6e; 1 on CPU/GPU). The
+# programs and checkpoints hold one block per shard, and every table is padded
+# to 8 N rows: a mistyped S of millions compiles for hours or fills a disk.
+MAX_SHARDS_PER_DEVICE = 64
 
 
 def check_rows_addressable(layout: EmbeddingLayout) -> None:
@@ -316,6 +320,16 @@ def check_rows_addressable(layout: EmbeddingLayout) -> None:
       )
 
 
+def check_shards_per_device(shards_per_device: int, what: str = "shards_per_device") -> None:
+  """Raises ValueError when S exceeds MAX_SHARDS_PER_DEVICE (see there), naming `what`."""
+  if shards_per_device > MAX_SHARDS_PER_DEVICE:
+    raise ValueError(
+        f"{what} is {shards_per_device:,}; at most {MAX_SHARDS_PER_DEVICE} are supported. S is"
+        " the number of shards each device holds, the SparseCores of one TPU chip (4 on v5p,"
+        " 2 on v6e) and 1 on CPU and GPU."
+    )
+
+
 def check_layout(layout: EmbeddingLayout) -> None:
   """Verifies every derived quantity of a layout against the formulas above.
 
@@ -326,6 +340,7 @@ def check_layout(layout: EmbeddingLayout) -> None:
   g, s = layout.num_devices, layout.shards_per_device
   if g <= 0 or s <= 0:
     raise ValueError(f"layout: num_devices and shards_per_device must be > 0, got {g} and {s}.")
+  check_shards_per_device(s, "layout: shards_per_device")
   n = g * s
   names: set[str] = set()
   stack_names: set[str] = set()

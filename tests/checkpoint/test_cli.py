@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import shutil
 import os
 import subprocess
 import sys
@@ -13,6 +15,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import checkpoint as ck
+from checkpoint import cli
 from checkpoint.cli import main
 from ckpt_testlib import make_model
 from sc_framework.optimizers import Adam
@@ -414,3 +417,63 @@ def test_a_storage_error_without_a_file_name_names_the_operands(saved, tmp_path,
   assert main(["convert", str(run / "3"), str(tmp_path / "taken"), "--unstacked"]) == 1
   assert capsys.readouterr().err.splitlines()[-1].startswith(
       f"sc-checkpoint convert: error: {tmp_path / 'taken'}"), error
+
+
+def test_an_interrupted_command_says_so_in_one_line_and_exits_130(saved, tmp_path, capsys,
+                                                                 monkeypatch):
+  """Ctrl-C printed a KeyboardInterrupt traceback."""
+  _, _, root = saved
+
+  def interrupted(*args, **kwargs):
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(cli, "convert", interrupted)
+  assert main(["convert", str(root / "3"), str(tmp_path / "x"), "--unstacked", "--quiet"]) == 130
+  err = capsys.readouterr().err
+  assert err == (f"sc-checkpoint convert: interrupted; {tmp_path / 'x'} holds no conversion"
+                 " marked complete unless it had just finished; run the command again.\n")
+
+
+def test_an_empty_path_is_refused_not_read_as_the_current_directory(capsys):
+  assert main(["inspect", ""]) == 1
+  assert "PATH is empty; give a path ('.' for the current directory)" in capsys.readouterr().err
+
+
+def test_a_cloud_path_without_its_filesystem_package_is_one_line(capsys):
+  if importlib.util.find_spec("gcsfs") is not None:
+    pytest.skip("gcsfs is installed: gs:// paths are readable")
+  assert main(["inspect", "gs://no-such-bucket/run"]) == 1
+  err = capsys.readouterr().err
+  assert err.startswith("sc-checkpoint inspect: error: gs://no-such-bucket/run: ") and (
+      err.count("\n") == 1), err
+
+
+def test_a_target_larger_than_the_free_space_is_refused_before_writing(saved, tmp_path, capsys,
+                                                                       monkeypatch):
+  """--num-devices 1000000000000 padded every table to 8e12 rows and filled the disk."""
+  _, _, root = saved
+  assert main(["convert", str(root / "3"), str(tmp_path / "x"), "--num-devices",
+               "1000000000000", "--quiet"]) == 1
+  err = capsys.readouterr().err
+  assert "[Errno 28] the target's stacked tables and slots need" in err
+  assert "The target has 1,000,000,000,000 devices x 1 shards" in err
+  assert not (tmp_path / "x").exists() and not list(tmp_path.glob("x*"))
+  # The size counted is what is written: exactly enough room passes.
+  monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(0, 0, 0))
+  assert main(["convert", str(root / "3"), str(tmp_path / "y"), "--num-devices", "2",
+               "--quiet"]) == 1
+  assert "GiB free at" in capsys.readouterr().err and not (tmp_path / "y").exists()
+
+
+def test_a_leftover_of_an_interrupted_replacement_is_named_before_converting(saved, tmp_path,
+                                                                            capsys):
+  """An in-place conversion interrupted while it deleted the old step left `<dst>.replaced`;
+  a rerun converted everything, then failed, advising a rename onto the existing step."""
+  _, _, root = saved
+  shutil.copytree(root / "3", root / "3.replaced")
+  assert main(["convert", str(root / "3"), str(root / "3"), "--num-devices", "2",
+               "--overwrite", "--quiet"]) == 1
+  err = capsys.readouterr().err
+  assert (f"{root / '3.replaced'} is left by an interrupted replacement of {root / '3'}"
+          " (the step replaced, or part of it); nothing was converted.") in err
+  assert not list(root.glob("*.orbax-checkpoint-tmp*")) and not list(root.glob("*tmp*"))

@@ -60,6 +60,17 @@ def test_bad_flags_give_one_line_errors(argv, message, capsys):
   assert message in error
 
 
+def test_a_text_that_is_not_utf8_is_one_line_naming_the_byte(tmp_path, capsys):
+  """It was a UnicodeDecodeError traceback."""
+  text = tmp_path / "latin1.txt"
+  text.write_bytes("caf\u00e9 au lait ".encode("latin-1") * 200)
+  with pytest.raises(SystemExit) as exit_info:
+    sequence_lm.main(SMALL + ["--steps", "1", "--text", str(text), "--workdir", ""])
+  assert exit_info.value.code == 2
+  error = capsys.readouterr().err.strip().splitlines()[-1]
+  assert f"--text {str(text)!r} is not UTF-8 text (byte 3: invalid continuation byte)" in error
+
+
 def test_a_workdir_that_is_a_file_is_refused_naming_it(tmp_path, capsys):
   """It used to fail at the first save with a NotADirectoryError traceback."""
   blocker = tmp_path / "sequence_lm_workdir"

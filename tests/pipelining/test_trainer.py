@@ -287,6 +287,10 @@ def test_config_errors_name_the_option():
     with pytest.raises(TypeError, match=rf"TrainerConfig.seed must be an int .*got {seed!r}"):
       TrainerConfig(seed=seed)
   assert TrainerConfig(seed=np.int64(7)).seed == 7
+  with pytest.raises(ValueError, match=r"TrainerConfig.seed must fit int64 .*got 1180591620717"):
+    TrainerConfig(seed=2**70)  # was a bare OverflowError inside the first fit
+  with pytest.raises(ValueError, match=r"TrainerConfig.workdir is '': pass None for no"):
+    TrainerConfig(workdir="")  # was the current directory
   with pytest.raises(TypeError, match=r"eval_metrics must be a sequence of metric names.*'auc'"):
     TrainerConfig(eval_metrics="auc")  # was: unknown metrics ['a', 'u', 'c']
   with pytest.raises(TypeError, match=r"eval_metrics must be a sequence of metric names.*None"):
@@ -307,6 +311,14 @@ def test_fit_refuses_callbacks_that_are_not_callbacks_and_empty_eval_data_before
   with pytest.raises(TypeError, match=r"callbacks must be pipelining.Callback objects .* lacks"
                                       r" \['on_fit_start', 'on_step_end'"):
     trainer.fit(batches, callbacks=[lambda *args: None])
+  with pytest.raises(TypeError, match=r"callbacks must be a sequence of pipelining.Callback"
+                                      r" objects .* got <function"):
+    trainer.fit(batches, callbacks=lambda *args: None)  # was "'function' object is not iterable"
+  with pytest.raises(TypeError, match=r"fit's train_data must be an iterable of batches .* got"
+                                      r" NoneType None"):
+    trainer.fit(None)  # was "'NoneType' object is not iterable"
+  with pytest.raises(TypeError, match=r"the evaluation data must be an iterable of batches"):
+    trainer.evaluate(5)
   with pytest.raises(ValueError, match=r"eval_data is empty: fit would fail at its first"
                                        r" evaluation, after training"):
     trainer.fit(batches, eval_data=[])

@@ -1,10 +1,11 @@
 """The command-line argument types: bounds, and one-line errors naming the value."""
 
 import argparse
+import os
 
 import pytest
 
-from sc_framework.cli_types import integer_at_least, positive_float, workdir_path
+from sc_framework.cli_types import integer_at_least, positive_float, seed, workdir_path
 
 
 def _parser():
@@ -70,3 +71,24 @@ def test_a_workdir_blocked_by_a_file_names_the_file(tmp_path):
     _workdir_parser().parse_args(["--workdir", str(blocker / "run" / "1")])
   assert str(error.value) == (f"argument --workdir: {str(blocker / 'run' / '1')!r} cannot be"
                               f" created: {str(blocker)!r} is not a directory")
+
+
+def test_a_seed_beyond_int64_is_refused_naming_the_bound():
+  parser = argparse.ArgumentParser(prog="prog", exit_on_error=False)
+  parser.add_argument("--seed", type=seed)
+  assert parser.parse_args(["--seed", str(2**63 - 1)]).seed == 2**63 - 1
+  with pytest.raises(argparse.ArgumentError) as error:
+    parser.parse_args(["--seed", str(2**63)])
+  assert str(error.value) == f"argument --seed: must be <= {2**63 - 1}, got {2**63}"
+
+
+def test_a_workdir_that_cannot_be_written_is_refused_naming_the_directory(tmp_path, monkeypatch):
+  """A read-only file system: the first save failed with an OSError traceback."""
+  (tmp_path / "run").mkdir()
+  monkeypatch.setattr(os, "access", lambda path, mode: os.fspath(path) != str(tmp_path))
+  with pytest.raises(argparse.ArgumentError) as error:
+    _workdir_parser().parse_args(["--workdir", str(tmp_path / "new")])
+  assert str(error.value) == (f"argument --workdir: {str(tmp_path / 'new')!r} cannot be written:"
+                              f" {str(tmp_path)!r} is read-only or not writable by this user")
+  assert _workdir_parser().parse_args(["--workdir", str(tmp_path / "run")]).workdir == str(
+      tmp_path / "run")

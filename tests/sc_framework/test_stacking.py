@@ -575,6 +575,8 @@ def test_stack_tables_errors(groups, culprit):
         (2, 0, "shards_per_device must be a positive int, got 0"),
         (2.0, 1, "num_devices must be a positive int, got 2.0"),
         (-1, 1, "got -1"),
+        # A mistyped S compiled for hours or filled a disk with padding rows.
+        (2, 65, "shards_per_device is 65; at most 64 are supported"),
     ],
 )
 def test_device_counts_validated(function, num_devices, shards_per_device, culprit):
