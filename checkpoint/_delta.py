@@ -410,8 +410,7 @@ class DeltaItem:
       try:
         counts = json.loads(read_text(marker))["rows"]
         self.counts.append({name: int(counts.get(name, 0)) for name in self.layout.stack_names})
-      except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError,
-              AttributeError) as error:
+      except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise CorruptCheckpointError(
             f"delta checkpoint {self.directory}: the part marker {marker} is damaged ({error})."
             " Restore another step."

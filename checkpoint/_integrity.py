@@ -303,9 +303,15 @@ def read_manifest(step_dir: epath.Path) -> dict[str, FileEntry]:
   try:
     data = json.loads(path.read_text())
     entries = data["files"]
-    if (data.get("format") != INTEGRITY_FORMAT_NAME
-        or data.get("format_version") not in _READABLE_FORMAT_VERSIONS):
-      raise ValueError(f"format {data.get('format')!r} version {data.get('format_version')!r}")
+    version = data.get("format_version")
+    if data.get("format") != INTEGRITY_FORMAT_NAME:
+      raise ValueError(f"format {data.get('format')!r} version {version!r}")
+    if version not in _READABLE_FORMAT_VERSIONS:
+      newer = isinstance(version, int) and version > INTEGRITY_FORMAT_VERSION
+      raise ValueError(
+          f"format version {version!r}, which this version of the library does not read"
+          f" ({', '.join(map(str, _READABLE_FORMAT_VERSIONS))})"
+          + ("; a newer version wrote it: upgrade sc-framework to read it" if newer else ""))
     if data.get("digest") != _digest(entries):
       raise ValueError("its digest does not match its entries")
     return {rel: _entry_from_dict(entry) for rel, entry in entries.items()}

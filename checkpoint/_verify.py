@@ -356,9 +356,10 @@ def _pytree_item_problems(item: epath.Path) -> list[Problem]:
     return [Problem("error", path, "is missing: a PyTree item without it does not restore")]
   try:
     metadata = json.loads(path.read_text())
-    metadata.get("use_ocdbt")
-  except (OSError, ValueError, AttributeError) as error:
+  except (OSError, ValueError) as error:
     return [Problem("error", path, f"is not readable JSON ({error})")]
+  if not isinstance(metadata, dict):
+    return [Problem("error", path, f"holds a {type(metadata).__name__}, not a tree's metadata")]
   problems = _pytree_arrays_problems(item, metadata)
   if problems:
     return problems

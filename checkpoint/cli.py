@@ -400,7 +400,10 @@ def main(argv: Sequence[str] | None = None) -> int:
       message = f"{_operands(args)}: {message}"  # the storage's error (ENOSPC) names no file
     print(f"sc-checkpoint {args.command}: error: {_one_line(str(message))}", file=sys.stderr)
     return 1
-  except ImportError as error:  # gs:// or s3:// without the package etils.epath needs for it
+  except ImportError as error:
+    if "://" not in _operands(args):
+      raise  # a broken install, not the paths given
+    # gs:// or s3:// without the package etils.epath needs for it
     print(f"sc-checkpoint {args.command}: error: {_operands(args)}: {error}", file=sys.stderr)
     return 1
 
@@ -408,8 +411,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _interrupted_leaves(args: argparse.Namespace) -> str:
   """What an interrupted command leaves behind, for its message."""
   if args.command == "convert":
-    return (f"{args.dst} holds no conversion marked complete unless it had just finished;"
-            " run the command again.")
+    return (f"{args.dst} is as it was unless the conversion had just finished; run the command"
+            f" again (it names a {args.dst}.replaced an interrupted replacement left, if any).")
   if args.command == "compact":
     return (f"run it again: it finishes or undoes a compaction of {args.step_dir} that was"
             " cut short (as does a writable CheckpointManager opening its root).")

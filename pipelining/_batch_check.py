@@ -87,8 +87,12 @@ def batch_name(use: BatchUse, index: int | None) -> str:
 
 
 def check_iterable(data: Any, argument: str) -> None:
-  """Raises TypeError naming `argument` when `data` cannot be iterated (None, a number)."""
-  if not isinstance(data, Iterable):
+  """Raises TypeError naming `argument` when `data` cannot be iterated (None, a number).
+
+  `iter` takes an iterable or a sequence-like object (`__getitem__` from 0, as a
+  map-style dataset); it is not called here, which could start a loader's workers.
+  """
+  if not isinstance(data, Iterable) and not hasattr(type(data), "__getitem__"):
     raise TypeError(
         f"{argument} must be an iterable of batches (a list, a generator, a data loader), got"
         f" {type(data).__name__} {data!r}."

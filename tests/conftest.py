@@ -29,12 +29,13 @@ os.environ["XLA_FLAGS"] = " ".join(
     + ["--xla_force_host_platform_device_count=8"])
 # The suite checks the library as JAX runs by default: on the CPU, in float32, with
 # its usual promotion rules. A user's environment that changes them (JAX_ENABLE_X64=1
-# set for other work, JAX_PLATFORMS=cuda) would fail tests that are right.
+# set for other work, JAX_PLATFORMS=cuda for a GPU job) would fail tests that are right.
 for _name in ("JAX_ENABLE_X64", "JAX_DEFAULT_MATMUL_PRECISION", "JAX_NUMPY_RANK_PROMOTION",
               "JAX_NUMPY_DTYPE_PROMOTION", "JAX_DEBUG_NANS", "JAX_DEBUG_INFS", "JAX_DISABLE_JIT",
               "JAX_DEFAULT_PRNG_IMPL"):
   os.environ.pop(_name, None)
-os.environ["JAX_PLATFORMS"] = "cpu"
+# SC_FRAMEWORK_TEST_PLATFORMS=cuda runs it on a GPU instead (as JAX_PLATFORMS would).
+os.environ["JAX_PLATFORMS"] = os.environ.get("SC_FRAMEWORK_TEST_PLATFORMS", "cpu")
 
 # The 8 devices' threads meet in every collective; XLA ends the process when
 # one has not arrived after 40 s, which a machine busy with other work (8

@@ -280,13 +280,21 @@ def check_schedule_at_start(owner: str, learning_rate: LearningRate) -> None:
   A schedule runs inside the jitted update, where its values cannot be
   checked; a plan evaluates it once on the host (also when made under a
   trace), so a schedule that returns NaN or a negative rate (gradient ascent)
-  from the start is refused by name before any table is written. A float
-  rate is checked where it is given.
+  from the start is refused by name before any table is written. A schedule
+  whose rate depends on traced values (a rate swept under vmap, or passed
+  into a jitted step) has no value here and is not checked. A float rate is
+  checked where it is given.
   """
   if not callable(learning_rate):
     return
   with jax.ensure_compile_time_eval():  # a value also where a plan is made under jit
-    value = np.float32(resolve_learning_rate(learning_rate, jnp.asarray(0, jnp.int32), owner))
+    try:
+      rate = resolve_learning_rate(learning_rate, jnp.asarray(0, jnp.int32), owner)
+    except jax.errors.ConcretizationTypeError:  # it branches on a traced value
+      return
+    if isinstance(rate, jax.core.Tracer):  # it computes with traced values
+      return
+    value = np.float32(rate)
   if not (np.isfinite(value) and value >= 0):
     raise ValueError(
         f"{owner}: the learning-rate schedule returns {value!s} at step 0; a rate must be"

@@ -40,11 +40,11 @@ def host_memory_bytes() -> int | None:
       swap = next((int(line.split()[1]) * 1024 for line in f if line.startswith("SwapTotal:")), 0)
   except (OSError, ValueError, IndexError):
     swap = 0
-  total += swap
   limit = _read_int("/sys/fs/cgroup/memory.max")
-  if limit is not None:
-    total = min(total, limit + (_read_int("/sys/fs/cgroup/memory.swap.max") or 0))
-  return total
+  if limit is not None:  # a container's memory, and its swap where limited ("max": the host's)
+    swap_limit = _read_int("/sys/fs/cgroup/memory.swap.max")
+    return min(total + swap, limit + (swap if swap_limit is None else min(swap, swap_limit)))
+  return total + swap
 
 
 def _bytes_per_stack(plan: EmbeddingPlan, dtype) -> dict[str, int]:

@@ -208,5 +208,6 @@ def init_embedding_variables(
     MemoryError: on CPU devices, tables and slots larger than the host's
       memory, naming the largest stack (`_memory.check_fits_host_memory`).
   """
-  check_fits_host_memory(plan, dtype)
+  if not isinstance(key, jax.core.Tracer):  # under eval_shape nothing is allocated
+    check_fits_host_memory(plan, dtype)
   return _create_jit(plan, key, jnp.dtype(dtype))

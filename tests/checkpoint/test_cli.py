@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 import os
 import subprocess
@@ -430,8 +431,9 @@ def test_an_interrupted_command_says_so_in_one_line_and_exits_130(saved, tmp_pat
   monkeypatch.setattr(cli, "convert", interrupted)
   assert main(["convert", str(root / "3"), str(tmp_path / "x"), "--unstacked", "--quiet"]) == 130
   err = capsys.readouterr().err
-  assert err == (f"sc-checkpoint convert: interrupted; {tmp_path / 'x'} holds no conversion"
-                 " marked complete unless it had just finished; run the command again.\n")
+  assert err.startswith(f"sc-checkpoint convert: interrupted; {tmp_path / 'x'} is as it was"
+                        " unless the conversion had just finished; run the command again")
+  assert err.count("\n") == 1
 
 
 def test_an_empty_path_is_refused_not_read_as_the_current_directory(capsys):
@@ -458,11 +460,19 @@ def test_a_target_larger_than_the_free_space_is_refused_before_writing(saved, tm
   assert "[Errno 28] the target's stacked tables and slots need" in err
   assert "The target has 1,000,000,000,000 devices x 1 shards" in err
   assert not (tmp_path / "x").exists() and not list(tmp_path.glob("x*"))
-  # The size counted is what is written: exactly enough room passes.
-  monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(0, 0, 0))
+  # The size counted is what is written: the chunks' bytes, less their 4-byte checksums.
   assert main(["convert", str(root / "3"), str(tmp_path / "y"), "--num-devices", "2",
-               "--quiet"]) == 1
-  assert "GiB free at" in capsys.readouterr().err and not (tmp_path / "y").exists()
+               "--quiet"]) == 0
+  chunks = [p for p in (tmp_path / "y" / "embedding" / "stacks").rglob("*")
+            if p.is_file() and re.search(r"/c/\d+/\d+$", str(p))]
+  written = sum(p.stat().st_size - 4 for p in chunks)
+  for free, status in ((written, 0), (written - 1, 1)):
+    monkeypatch.setattr(shutil, "disk_usage",
+                        lambda path, free=free: shutil._ntuple_diskusage(free, 0, free))
+    out = tmp_path / f"z{free}"
+    assert main(["convert", str(root / "3"), str(out), "--num-devices", "2", "--quiet"]) == status
+    assert out.exists() == (status == 0)
+  assert "GiB free at" in capsys.readouterr().err
 
 
 def test_a_leftover_of_an_interrupted_replacement_is_named_before_converting(saved, tmp_path,

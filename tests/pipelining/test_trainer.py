@@ -287,8 +287,10 @@ def test_config_errors_name_the_option():
     with pytest.raises(TypeError, match=rf"TrainerConfig.seed must be an int .*got {seed!r}"):
       TrainerConfig(seed=seed)
   assert TrainerConfig(seed=np.int64(7)).seed == 7
-  with pytest.raises(ValueError, match=r"TrainerConfig.seed must fit int64 .*got 1180591620717"):
-    TrainerConfig(seed=2**70)  # was a bare OverflowError inside the first fit
+  # 2**70 was a bare OverflowError inside the first fit; 2**32 started the run of seed 0.
+  for seed in (2**70, 2**32, -1):
+    with pytest.raises(ValueError, match=rf"TrainerConfig.seed must be in \[0, 2\*\*32\).*got {seed}"):
+      TrainerConfig(seed=seed)
   with pytest.raises(ValueError, match=r"TrainerConfig.workdir is '': pass None for no"):
     TrainerConfig(workdir="")  # was the current directory
   with pytest.raises(TypeError, match=r"eval_metrics must be a sequence of metric names.*'auc'"):
@@ -319,6 +321,17 @@ def test_fit_refuses_callbacks_that_are_not_callbacks_and_empty_eval_data_before
     trainer.fit(None)  # was "'NoneType' object is not iterable"
   with pytest.raises(TypeError, match=r"the evaluation data must be an iterable of batches"):
     trainer.evaluate(5)
+
+  class MapStyle:  # a dataset of __getitem__ and __len__ alone, which iter() takes
+    def __len__(self):
+      return len(batches)
+
+    def __getitem__(self, index):
+      return batches[index]
+
+  fresh = Trainer(LinearHead(), make_specs(SGD(SPARSE_LR)), mse, optax.sgd(DENSE_LR),
+                  mesh=mesh_of(1), progress="off", padding_id=-1, eval_metrics=())
+  assert fresh.fit(MapStyle()).final_step == len(batches)
   with pytest.raises(ValueError, match=r"eval_data is empty: fit would fail at its first"
                                        r" evaluation, after training"):
     trainer.fit(batches, eval_data=[])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import re
 
 import jax
@@ -51,6 +52,38 @@ def test_an_unknown_memory_size_checks_nothing(monkeypatch):
   init_embedding_variables(_plan(8), jax.random.key(0))
 
 
-def test_the_host_memory_is_a_positive_size_on_this_machine():
-  size = _memory.host_memory_bytes()
-  assert size is None or size > 0
+def test_the_host_memory_counts_physical_memory_and_swap_within_a_cgroup_limit(monkeypatch):
+  pages, page = 1000, 4096
+  monkeypatch.setattr(_memory.os, "sysconf",
+                      lambda name: {"SC_PHYS_PAGES": pages, "SC_PAGE_SIZE": page}[name])
+  real_open = open
+
+  def fake_files(files):
+    def opened(path, *args, **kwargs):
+      if path in files:
+        return io.StringIO(files[path])
+      if path.startswith(("/proc/", "/sys/")):
+        raise FileNotFoundError(path)
+      return real_open(path, *args, **kwargs)
+    return opened
+
+  meminfo = {"/proc/meminfo": "MemTotal: 4000 kB\nSwapTotal: 100 kB\n"}
+  monkeypatch.setattr("builtins.open", fake_files(meminfo))
+  assert _memory.host_memory_bytes() == pages * page + 100 * 1024
+  cgroup = {**meminfo, "/sys/fs/cgroup/memory.max": "2000\n",
+            "/sys/fs/cgroup/memory.swap.max": "max\n"}
+  monkeypatch.setattr("builtins.open", fake_files(cgroup))
+  assert _memory.host_memory_bytes() == 2000 + 100 * 1024  # "max": the host's swap
+  monkeypatch.setattr("builtins.open", fake_files({**cgroup,
+                                                   "/sys/fs/cgroup/memory.swap.max": "10\n"}))
+  assert _memory.host_memory_bytes() == 2010
+
+
+def test_abstract_evaluation_allocates_nothing_and_checks_nothing(monkeypatch):
+  """Under jax.eval_shape (a Flax model's abstract init) no table is made."""
+  monkeypatch.setattr(_memory, "host_memory_bytes", lambda: 1)
+  shapes = jax.eval_shape(lambda key: init_embedding_variables(_plan(24), key),
+                          jax.random.key(0))
+  assert shapes.tables["huge"].shape == (4096, 24)
+  with pytest.raises(MemoryError):
+    init_embedding_variables(_plan(24), jax.random.key(0))

@@ -604,3 +604,20 @@ def test_a_plan_made_under_jit_checks_its_schedule_too():
 
   with pytest.raises(ValueError, match=r"table 'users' \(SGD\): the learning-rate schedule"):
     jax.jit(make)(1.0)
+
+
+@pytest.mark.parametrize("transform", ["jit", "vmap"])
+def test_a_schedule_of_traced_values_is_left_unchecked_and_used(transform):
+  """A rate passed into a jitted step, or swept under vmap, has no value where the plan is
+  made: the plan must take it (it refused it with a TracerArrayConversionError)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  def rate_of_plan(learning_rate):
+    plan = _plan_with(SGD(lambda step: learning_rate * 0.5**step))
+    return plan.optimizer("users").learning_rate_at(jnp.asarray(1, jnp.int32))
+
+  if transform == "jit":
+    assert float(jax.jit(rate_of_plan)(0.25)) == 0.125
+  else:
+    assert [float(x) for x in jax.vmap(rate_of_plan)(jnp.asarray([0.5, 1.0]))] == [0.25, 0.5]
