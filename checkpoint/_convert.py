@@ -56,8 +56,8 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import json
 import errno
+import json
 import os
 import shutil
 import socket
