@@ -53,6 +53,8 @@ def verify(path: epath.PathLike) -> list[Problem]:
     return [Problem("error", path, "is a symbolic link; nothing is read through one")]
   if not path.exists():
     raise CheckpointError(f"{path} does not exist.")
+  if not path.is_dir():
+    raise CheckpointError(f"{path} is a file, not a checkpoint directory.")
   if (path / MANIFEST_FILE).exists():
     step = step_of_item(path)
     if step is not None:  # An item of a step: against that step's manifest, and its chain.

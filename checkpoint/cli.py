@@ -161,6 +161,9 @@ def _verify(args: argparse.Namespace) -> int:
     _print_out(f"{step} has no {INTEGRITY_FILE}: if an older version wrote it (before"
                f" integrity manifests) rather than a partial copy, `sc-checkpoint verify --adopt"
                f" {step}` checks what can be checked and gives it one.")
+  hint = _not_a_checkpoint_hint(as_path(args.path, "PATH"))
+  if failed and hint:
+    _print_out(hint.strip())
   return 1 if failed else 0
 
 

@@ -487,3 +487,18 @@ def test_a_leftover_of_an_interrupted_replacement_is_named_before_converting(sav
   assert (f"{root / '3.replaced'} is left by an interrupted replacement of {root / '3'}"
           " (the step replaced, or part of it); nothing was converted.") in err
   assert not list(root.glob("*.orbax-checkpoint-tmp*")) and not list(root.glob("*tmp*"))
+
+
+def test_verify_of_a_file_or_a_trainer_workdir_says_what_to_pass(saved, tmp_path, capsys):
+  """A file gave a bare "[Errno 20] Not a directory"; a workdir no hint."""
+  _, _, root = saved
+  note = tmp_path / "notes.txt"
+  note.write_text("not a checkpoint")
+  assert main(["verify", str(note)]) == 1
+  assert f"{note} is a file, not a checkpoint directory." in capsys.readouterr().err
+  workdir = tmp_path / "workdir"
+  shutil.copytree(root, workdir / "checkpoints")
+  assert main(["verify", str(workdir)]) == 1
+  assert (f"It looks like a Trainer workdir, which keeps its checkpoints in"
+          f" {workdir / 'checkpoints'}: pass that.") in capsys.readouterr().out
+  assert main(["verify", str(workdir / "checkpoints")]) == 0
