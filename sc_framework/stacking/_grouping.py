@@ -157,7 +157,9 @@ def stack_tables(
             f" tables: {sorted(tables)}."
         )
       if name in seen:
-        raise ValueError(f"table {name!r} is in stacking groups {seen[name]} and {index}.")
+        twice = f" (twice in group {index}): name each table once" if seen[name] == index else ""
+        raise ValueError(
+            f"table {name!r} is in stacking groups {seen[name]} and {index}{twice}.")
       seen[name] = index
     for name in group[1:]:
       _check_stackable(tables[group[0]], tables[name], "")
