@@ -890,6 +890,7 @@ def _flip_middle(path):
   path.write_bytes(bytes(data))
 
 
+@pytest.mark.filterwarnings("ignore:checkpoint step .* is skipped:RuntimeWarning")
 @pytest.mark.parametrize("damaged", ["0/embedding/layout.json", "2/embedding/parts/0.json"])
 def test_a_damaged_json_file_of_a_chain_is_named_by_verify_inspect_and_restore(tmp_path, capsys,
                                                                              damaged):
