@@ -156,10 +156,10 @@ class TrainerConfig:
           f"TrainerConfig.seed must be an int (it seeds the tables' and the dense parameters'"
           f" initialisation), got {self.seed!r}."
       )
-    if not 0 <= self.seed < 2**32:
+    if not -2**31 <= self.seed < 2**32:
       raise ValueError(
-          f"TrainerConfig.seed must be in [0, 2**32): JAX's PRNG key keeps 32 bits of a seed,"
-          f" so seeds further apart would start the same run; got {self.seed}."
+          f"TrainerConfig.seed must be in [-2**31, 2**32): JAX's PRNG key keeps 32 bits of a"
+          f" seed, so seeds further apart would start the same run; got {self.seed}."
       )
     object.__setattr__(self, "eval_metrics", _metric_names(self.eval_metrics))
     unknown = [m for m in self.eval_metrics if m not in ("auc",)]

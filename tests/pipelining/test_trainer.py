@@ -288,9 +288,11 @@ def test_config_errors_name_the_option():
       TrainerConfig(seed=seed)
   assert TrainerConfig(seed=np.int64(7)).seed == 7
   # 2**70 was a bare OverflowError inside the first fit; 2**32 started the run of seed 0.
-  for seed in (2**70, 2**32, -1):
-    with pytest.raises(ValueError, match=rf"TrainerConfig.seed must be in \[0, 2\*\*32\).*got {seed}"):
+  for seed in (2**70, 2**32, -2**31 - 1):
+    with pytest.raises(ValueError, match=rf"TrainerConfig.seed must be in \[-2\*\*31, 2\*\*32\)"
+                                         rf".*got {seed}"):
       TrainerConfig(seed=seed)
+  assert TrainerConfig(seed=-1).seed == -1 and TrainerConfig(seed=2**32 - 1).seed == 2**32 - 1
   with pytest.raises(ValueError, match=r"TrainerConfig.workdir is '': pass None for no"):
     TrainerConfig(workdir="")  # was the current directory
   with pytest.raises(TypeError, match=r"eval_metrics must be a sequence of metric names.*'auc'"):
