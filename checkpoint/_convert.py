@@ -230,8 +230,6 @@ def convert(
         RuntimeWarning,
         stacklevel=2,
     )
-  if target != "unstacked" and storage.compression == "none":
-    _check_room(dst, target, _converted_states(reader, table_dtype))
   tmp = _fresh_temporary_directory(dst)
   try:
     if item is not None and item != src:
@@ -257,37 +255,26 @@ def convert(
   return dst if item is None or item == src else dst / item.name
 
 
-def _check_room(dst: epath.Path, target: EmbeddingLayout, states: dict) -> None:
-  """Raises OSError (ENOSPC) before anything is written when the stacked tables and
-  slots of `target` (uncompressed) exceed the free space where `dst` goes (local paths).
+def _check_room(out: epath.Path, manifest: Manifest, layout: EmbeddingLayout) -> None:
+  """Raises OSError (ENOSPC) before the first block is written when the stacked
+  tables and slots of `manifest` (in `layout`), stored uncompressed, exceed the
+  free space at `out` (a local directory); compressed or cloud outputs are not
+  checked.
 
   Each table is padded to a multiple of 8 N rows (N = G * S shards), so a
   target of many devices or shards can be far larger than its source.
   """
-  if "://" in os.fspath(dst):
+  if "://" in os.fspath(out) or manifest.storage.compression != "none":
     return
-  needed = 0
-  for stack in target.stacks:
-    if stack.tables[0].name not in states:
-      continue  # a table the source lacks: refused when the conversion plans its reads
-    kept, _ = states[stack.tables[0].name]
-    width = stack.padded_embedding_dim
-    row_bytes = width * numpy_dtype(kept["dtype"]).itemsize
-    for slot in kept["slots"]:
-      row_bytes += slot.stacked_width(width) * numpy_dtype(kept["slot dtypes"][slot.name]).itemsize
-    needed += stack.vocabulary_size * row_bytes
-  parent = epath.Path(os.path.abspath(os.fspath(dst)))
-  while not parent.exists() and parent != parent.parent:
-    parent = parent.parent
-  free = shutil.disk_usage(os.fspath(parent)).free
-  if needed > free:
+  free = shutil.disk_usage(os.fspath(out)).free
+  if manifest.nbytes > free:
     raise OSError(
         errno.ENOSPC,
-        f"the target's stacked tables and slots need {needed / 2**30:,.1f} GiB, more than the"
-        f" {free / 2**30:,.1f} GiB free at {parent}: nothing was written. The target has"
-        f" {target.num_devices:,} devices x {target.shards_per_device:,} shards, and every"
-        f" table is padded to a multiple of 8 x {target.num_shards:,} rows; check the device"
-        " and shard counts, or free space."
+        f"the target's stacked tables and slots need {manifest.nbytes / 2**30:,.1f} GiB, more"
+        f" than the {free / 2**30:,.1f} GiB free there: nothing was kept. The target has"
+        f" {layout.num_devices:,} devices x {layout.shards_per_device:,} shards, and every table"
+        f" is padded to a multiple of 8 x {layout.num_shards:,} rows; check the device and shard"
+        " counts, or free space."
     )
 
 
@@ -842,6 +829,7 @@ def _write_stacked(
   optimizers = {name: assembly.optimizer for name, assembly in assemblies.items()}
   manifest = dataclasses.replace(
       _save.stacked_manifest(layout, dtypes, slot_specs, storage, optimizers), save_id=save_id)
+  _check_room(out, manifest, layout)
   writer = _Writer(out, manifest, progress, block_bytes // 2)
 
   def blocks():

@@ -11,12 +11,17 @@ Accelerators report their own out-of-memory errors and are not checked.
 
 from __future__ import annotations
 
+import math
 import os
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 
 from sc_framework.primitives._plan import EmbeddingPlan
+
+if TYPE_CHECKING:  # _state calls this module
+  from sc_framework.primitives._state import EmbeddingVariables
 
 _GIB = float(1 << 30)
 
@@ -47,21 +52,17 @@ def host_memory_bytes() -> int | None:
   return total + swap
 
 
-def _bytes_per_stack(plan: EmbeddingPlan, dtype) -> dict[str, int]:
+def _bytes_per_stack(shapes: EmbeddingVariables) -> dict[str, int]:
   """Stack name -> bytes of its table and slots on all of the plan's devices."""
-  out = {}
-  for stack in plan.layout.stacks:
-    width = stack.padded_embedding_dim
-    elements = stack.vocabulary_size * width * np.dtype(dtype).itemsize
-    for slot in plan.optimizer(stack.name).slots():
-      elements += stack.vocabulary_size * slot.stacked_width(width) * 4  # float32 slots
-    out[stack.name] = elements
-  return out
+  nbytes = lambda array: math.prod(array.shape) * np.dtype(array.dtype).itemsize
+  return {name: nbytes(table) + sum(nbytes(slot) for slot in shapes.slots[name].values())
+          for name, table in shapes.tables.items()}
 
 
-def check_fits_host_memory(plan: EmbeddingPlan, dtype) -> None:
-  """Raises MemoryError when the plan's tables and slots on this process's CPU
-  devices exceed the host's memory (see the module doc); nothing otherwise.
+def check_fits_host_memory(plan: EmbeddingPlan, shapes: EmbeddingVariables) -> None:
+  """Raises MemoryError when the plan's tables and slots (`shapes`, as
+  `embedding_variable_shapes` gives them) on this process's CPU devices exceed
+  the host's memory (see the module doc); nothing otherwise.
 
   Each of the G devices holds 1 / G of every stack, so this process's
   L CPU devices hold L / G of the bytes.
@@ -71,7 +72,7 @@ def check_fits_host_memory(plan: EmbeddingPlan, dtype) -> None:
   if not local_cpu:
     return
   limit = host_memory_bytes()
-  per_stack = _bytes_per_stack(plan, dtype)
+  per_stack = _bytes_per_stack(shapes)
   needed = sum(per_stack.values()) * local_cpu // plan.num_devices
   if limit is None or needed <= limit:
     return

@@ -209,5 +209,5 @@ def init_embedding_variables(
       memory, naming the largest stack (`_memory.check_fits_host_memory`).
   """
   if not isinstance(key, jax.core.Tracer):  # under eval_shape nothing is allocated
-    check_fits_host_memory(plan, dtype)
+    check_fits_host_memory(plan, embedding_variable_shapes(plan, dtype=dtype))
   return _create_jit(plan, key, jnp.dtype(dtype))

@@ -472,7 +472,7 @@ def test_a_target_larger_than_the_free_space_is_refused_before_writing(saved, tm
     out = tmp_path / f"z{free}"
     assert main(["convert", str(root / "3"), str(out), "--num-devices", "2", "--quiet"]) == status
     assert out.exists() == (status == 0)
-  assert "GiB free at" in capsys.readouterr().err
+  assert "GiB free there: nothing was kept" in capsys.readouterr().err
 
 
 def test_a_leftover_of_an_interrupted_replacement_is_named_before_converting(saved, tmp_path,
