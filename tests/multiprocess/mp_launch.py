@@ -90,3 +90,8 @@ def describe(outcomes: list[Outcome]) -> str:
   """The tail of every process's stderr, for assertion messages."""
   return "\n".join(f"--- process {i} exit {o.returncode}:\n{o.stderr[-2500:]}"
                    for i, o in enumerate(outcomes))
+
+
+def history(out, process: int) -> dict:
+  """What process `process` of a job recorded in `out` (mp_worker.py writes it)."""
+  return json.loads((out / f"history_{process}.json").read_text())

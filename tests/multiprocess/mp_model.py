@@ -17,6 +17,12 @@ from sc_framework import FeatureSpec, TableSpec
 from sc_framework.optimizers import Adagrad
 
 BATCH = 16
+SEED = 11  # of the jobs' global batches
+BATCHES = 6  # in a job's data
+# Processes x devices reorder the cross-device sums: a row of table "a" sums
+# the gradients of all its ids in a global batch (BATCH * 4), over up to
+# BATCHES chained steps.
+TERMS = BATCH * 4
 
 
 class Head(nn.Module):
