@@ -166,6 +166,13 @@ def part_array_dir(
   return base / "table" if array is None else base / "slots" / encode_name(array)
 
 
+def _row_count(value, stack: str) -> int:
+  """A part marker's row count of `stack`: a non-negative integer, else ValueError."""
+  if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    raise ValueError(f"stack {stack!r} has {value!r} rows, not a count")
+  return value
+
+
 def part_marker(directory: epath.Path, process: int) -> epath.Path:
   return directory / PARTS_DIR / f"{process}.json"
 
@@ -409,7 +416,8 @@ class DeltaItem:
         )
       try:
         counts = json.loads(read_text(marker))["rows"]
-        self.counts.append({name: int(counts.get(name, 0)) for name in self.layout.stack_names})
+        self.counts.append({name: _row_count(counts.get(name, 0), name)
+                            for name in self.layout.stack_names})
       except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise CorruptCheckpointError(
             f"delta checkpoint {self.directory}: the part marker {marker} is damaged ({error})."

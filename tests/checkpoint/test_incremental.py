@@ -906,3 +906,22 @@ def test_a_damaged_json_file_of_a_chain_is_named_by_verify_inspect_and_restore(t
   with ck.CheckpointManager(delta_root, read_only=True) as mngr:
     with pytest.raises(ck.CorruptCheckpointError, match=re.escape(str(delta_root / damaged))):
       mngr.restore(3, args)
+
+
+@pytest.mark.parametrize("count", [-3, 2.5, True, "7", None])
+def test_a_part_marker_whose_row_count_is_not_a_count_is_damage(tmp_path, count):
+  """A marker passes its checksums when it was damaged before the manifest was written
+  (or a step is adopted without one); a row count that is no count is damage all the same."""
+  from checkpoint._chain import delta_manifest  # pylint: disable=g-import-not-at-top
+  from checkpoint._delta import DeltaItem, part_marker  # pylint: disable=g-import-not-at-top
+
+  _, layout, delta_root, _, _ = _train_side_by_side(tmp_path, 1, steps=2)
+  item = delta_root / "1" / "embedding"
+  marker = part_marker(item, 0)
+  rows = json.loads(marker.read_text())["rows"]
+  stack = layout.stack_names[0]
+  DeltaItem(item, delta_manifest(item))  # the saved marker opens
+  marker.write_text(json.dumps({"rows": {**rows, stack: count}}))
+  with pytest.raises(ck.CorruptCheckpointError, match=re.escape(f"{marker} is damaged")) as info:
+    DeltaItem(item, delta_manifest(item))
+  assert f"stack {stack!r} has {count!r} rows" in str(info.value)
