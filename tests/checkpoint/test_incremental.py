@@ -642,7 +642,7 @@ def test_a_step_that_later_deltas_name_is_saved_again_only_where_they_record_its
       return
     _save(mngr, 3, model, layout, tracker)
     for step in (4, 5):
-      with pytest.raises(ck.BrokenChainError, match=f"delta step 4 was saved on top of save"):
+      with pytest.raises(ck.BrokenChainError, match="delta step 4 was saved on top of save"):
         _restored_tables(tmp_path, step)
     assert mngr.latest_step() == 3
     touch_rows(model, layout, tracker, rng, 0.1)
