@@ -66,7 +66,6 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import numpy as np
-import orbax.checkpoint as ocp
 from etils import epath
 
 from checkpoint import _direct, _integrity, _optimizers, _save, _steps, _storage

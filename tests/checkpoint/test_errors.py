@@ -257,7 +257,7 @@ def test_bad_restore_requests(saved):
     ck.EmbeddingCheckpointHandler().restore(path, ck.TableRestore(rows={"a": (10, 65)}))
   # Bounds are never rounded: (0.5, 10.7) read rows 0-10, (True, 5) rows 1-5.
   for bounds in [(0.5, 10.7), (True, 5), (2.9, 3.1), (np.float32(1), 4), (1,), (1, 2, 3), 7]:
-    with pytest.raises(ValueError, match=rf"rows\['a'\] must be a \(start, stop\) pair of ints"):
+    with pytest.raises(ValueError, match=r"rows\['a'\] must be a \(start, stop\) pair of ints"):
       ck.EmbeddingCheckpointHandler().restore(path, ck.TableRestore(rows={"a": bounds}))
   with pytest.raises(TypeError, match=r"rows must map table names to \(start, stop\) pairs"):
     ck.EmbeddingCheckpointHandler().restore(path, ck.TableRestore(tables=["a"], rows=(0, 3)))

@@ -192,7 +192,7 @@ def test_every_step_damaged_or_incomplete_is_refused_by_fit_evaluate_and_predict
   flip_a_byte(root / "4")
   (root / "2" / "integrity.json").write_text("")
   trainer = make_trainer(tmp_path, save_every=2)
-  message = (rf"(?s)none of them restores \(step 4: a restore found it damaged.*; step 2: .*"
+  message = (r"(?s)none of them restores \(step 4: a restore found it damaged.*; step 2: .*"
              r"integrity.json.*\)\. A Trainer does not start over")
   for call in (trainer.evaluate, trainer.predict, trainer.fit):
     with pytest.raises(ck.CorruptCheckpointError, match=message):

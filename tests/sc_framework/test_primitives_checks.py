@@ -200,13 +200,13 @@ def test_missing_or_unknown_stacks_are_named():
   (name,) = plan.layout.stack_names
   with pytest.raises(ValueError, match=rf"tables has stacks \[\] .* \(missing \['{name}'\]"):
     embedding_lookup(plan, {}, batch)
-  with pytest.raises(ValueError, match=rf"unknown \['other'\]"):
+  with pytest.raises(ValueError, match=r"unknown \['other'\]"):
     embedding_lookup(plan, {**variables.tables, "other": variables.tables[name]}, batch)
   with pytest.raises(ValueError, match=rf"batch has stacks \[\] .* \(missing \['{name}'\]"):
     embedding_lookup(plan, variables.tables, {})
   with pytest.raises(TypeError, match="the preprocessed batch"):
     embedding_lookup(plan, variables.tables, {name: np.zeros(3)})
-  with pytest.raises(ValueError, match=rf"stacked activations has stacks \[\]"):
+  with pytest.raises(ValueError, match=r"stacked activations has stacks \[\]"):
     split_stacked_activations(plan, {})
 
 
