@@ -72,9 +72,13 @@ def test_merge_samples_sorts_stably_and_merges_repeats(seed, weighted, span, num
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("size", [0, 1, 13, 1000, 200_000])  # 200,000: several threads
-def test_rank_rows_are_np_unique_with_inverse(seed, size):
+@pytest.mark.parametrize("vocab_kind", ["any", "dense", "sparse"])
+def test_rank_rows_are_np_unique_with_inverse(seed, size, vocab_kind):
+  """dense: a map far smaller than the rows (marked on several threads); sparse: one far
+  larger (marked on one, listed on several)."""
   rng = np.random.default_rng(seed)
-  vocab = int(rng.integers(1, 3 * size + 200))
+  vocab = {"any": int(rng.integers(1, 3 * size + 200)), "dense": size // 300 + 1,
+           "sparse": 40 * size + 1 + seed}[vocab_kind]
   rows = rng.integers(0, vocab, size)
   rows[:2] = [vocab - 1, 0][:size]  # both ends of the map
   words = np.full(-(-vocab // 64) + 3, 0xDEADBEEF, np.uint64)  # stale content is fine
@@ -309,6 +313,11 @@ def test_bad_arguments_raise_instead_of_crashing():
   with pytest.raises(ValueError, match=r"rows\[0\] = -1 is outside"):
     kernels.rank_rows(np.array([-1]), np.zeros(1, np.uint64), 5, np.empty(1, np.int64),
                       np.empty(1, np.int32))
+  many = np.zeros(300_000, np.int64)  # marked on several threads: the first one outside
+  many[[200_001, 250_000]] = [70, 5]
+  with pytest.raises(ValueError, match=r"rows\[200001\] = 70 is outside \[0, 5\)"):
+    kernels.rank_rows(many, np.zeros(1, np.uint64), 5, np.empty(many.size, np.int64),
+                      np.empty(many.size, np.int32))
   with pytest.raises(ValueError, match=r"words: at least \(size \+ 63\) / 64: expected 2, got 1"):
     kernels.rank_rows(np.array([0]), np.zeros(1, np.uint64), 65, np.empty(1, np.int64),
                       np.empty(1, np.int32))
