@@ -77,11 +77,12 @@ class History:
     interrupted: True when fit stopped on SIGTERM/SIGINT or request_stop().
     resumed_from: the checkpoint step fit resumed from, or None.
     dropped_ids: ids dropped (`allow_id_dropping`) from this process's
-      batches prepared during fit: training batches (prefetched ones
-      included) and those of evaluations during fit. It counts a batch
-      when it is prepared, not when it is applied: a fit that stops at
-      num_steps with batches prefetched counts them, and the next fit,
-      which applies them, does not (the sum over fits is the whole run's).
+      training batches that this fit took into the run, and from the
+      batches of its evaluations. A training batch counts in the fit whose
+      step runs its lookup (pipelined: the step before the one applying
+      it), not where it was prepared: batches prefetched past a stop count
+      in the fit that uses them, whether this Trainer runs it or a new one
+      resuming the checkpoint, so the sum over a run's fits is the run's.
     skipped_batches: the batches of the data stream not applied because
       their loss was not finite, as recorded in the state fit started from:
       a resumed checkpoint (`save_on_nonfinite`), or the state this Trainer
@@ -141,6 +142,8 @@ class Schedule:
       again: a stop requested while `next_batch` waited for the data leaves
       the batch it returned untaken.
     num_steps: the total updates to reach, or None.
+    took: called with every batch taken into the run (its lookup ran; the
+      state's data position is past it).
   """
 
   steps: CompiledSteps
@@ -148,6 +151,7 @@ class Schedule:
   should_stop: Callable[[], bool]
   stop_agreed: Callable[[], bool]
   num_steps: int | None
+  took: Callable[[Prepared], None] = lambda prepared: None
 
   def reached(self, step: int) -> bool:
     """Whether `step` updates complete the run."""
@@ -178,6 +182,7 @@ def sync_steps(schedule: Schedule, state: LoopState,
   while True:
     train, metrics = schedule.steps.sync(state.train, pending.batch.batch)
     state = LoopState(train, None, None, _advanced(state.data, pending))
+    schedule.took(pending)
     yield StepResult(state, metrics, pending.index)
     step = int(state.train.step)
     # Before taking the next batch: a stopped run leaves it in the stream.
@@ -198,6 +203,7 @@ def pipelined_steps(schedule: Schedule, state: LoopState,
     if pending is None:
       return
     state = _taken(state, schedule.steps.prime(state.train, pending.batch.batch), pending)
+    schedule.took(pending)
     pending = None
   while state.in_flight is not None:
     # The next batch's lookup runs even in the step that reaches num_steps:
@@ -216,6 +222,7 @@ def pipelined_steps(schedule: Schedule, state: LoopState,
       train, in_flight, metrics = schedule.steps.pipelined(
           state.train, state.in_flight, pending.batch.batch)
       state = _taken(state._replace(train=train), in_flight, pending)
+      schedule.took(pending)
       pending = None
     yield StepResult(state, metrics, index)
     step = int(state.train.step)

@@ -59,10 +59,12 @@ class Staged(NamedTuple):
     batch: the prepared batch on the devices.
     ids: this process's raw ids, feature -> any accepted input form; kept so
       that a checkpoint can store the batch layout-free while it is in flight.
+    dropped_ids: the ids its preprocessing dropped (`allow_id_dropping`).
   """
 
   batch: DeviceBatch
   ids: Mapping[str, FeatureInput] | DroppedIds
+  dropped_ids: int = 0
 
 
 class DroppedIds(NamedTuple):

@@ -43,12 +43,17 @@ class BatchStager:
     self._checker = BatchChecker([f.batch_size for f in plan.feature_specs],
                                  len(local_devices), plan.num_devices)
     self._dropped_ids = 0
+    self._dropped_by_use: dict[BatchUse, int] = {}
     self._dropped_lock = threading.Lock()
 
   @property
   def dropped_ids(self) -> int:
     """Ids dropped from every batch staged so far (prefetched but unused ones too)."""
     return self._dropped_ids
+
+  def dropped_ids_of(self, use: BatchUse) -> int:
+    """Ids dropped from the batches of one use staged so far."""
+    return self._dropped_by_use.get(use, 0)
 
   def stage(self, raw: Any, use: BatchUse, index: int | None) -> Staged:
     """The placed batch, with the raw ids for a layout-free checkpoint of a batch in flight.
@@ -64,10 +69,13 @@ class BatchStager:
       if index is not None:
         error.add_note(f"(in {batch_name(use, index)})")
       raise
-    if dropped and use == "training":  # An in-flight checkpoint stores the ids it kept.
-      sparse = DroppedIds(sparse, preprocessed)
+    if dropped:
+      with self._dropped_lock:
+        self._dropped_by_use[use] = self._dropped_by_use.get(use, 0) + dropped
+      if use == "training":  # An in-flight checkpoint stores the ids it kept.
+        sparse = DroppedIds(sparse, preprocessed)
     labels = None if use == "prediction" else raw["labels"]
-    return Staged(self.place(preprocessed, raw.get("dense"), labels), sparse)
+    return Staged(self.place(preprocessed, raw.get("dense"), labels), sparse, dropped)
 
   def preprocess(self, sparse: Any) -> tuple[dict[str, Any], int]:
     """(the preprocessed batch, how many of its ids were dropped)."""

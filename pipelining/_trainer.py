@@ -548,7 +548,7 @@ class Trainer:
     num_steps, epochs, eval_every = fit_arguments(num_steps, epochs, eval_data, eval_every)
     callbacks = checked_callbacks(callbacks)
     history = History()
-    dropped_before = self._stager.dropped_ids
+    evaluation_dropped_before = self._stager.dropped_ids_of("evaluation")
     self._stop.clear()
     self._stop_requested.clear()
     tracked = None if self._checkpoints is None else self._checkpoints.tracked()
@@ -583,8 +583,11 @@ class Trainer:
       for callback in callbacks:
         callback.on_fit_start(self, int(self.state.step))
       end = self._step_end(history, progress, callbacks, eval_data, eval_every)
+      def took(prepared: Prepared) -> None:
+        history.dropped_ids += prepared.batch.dropped_ids
+
       schedule = Schedule(self._steps, stream.next_batch, self._stopping, self._stop.is_set,
-                          num_steps)
+                          num_steps, took)
       steps = pipelined_steps if self.config.pipelining else sync_steps
       for result in steps(schedule, self._loop, first):
         self._loop = result.state
@@ -610,7 +613,8 @@ class Trainer:
       self._fitting = False
       try:
         stream.close(aborted=aborted)
-        history.dropped_ids = self._stager.dropped_ids - dropped_before
+        history.dropped_ids += (self._stager.dropped_ids_of("evaluation")
+                                - evaluation_dropped_before)
         if progress is not None:
           progress.close()
         if not history.final_step:  # fit raised: the steps it applied count

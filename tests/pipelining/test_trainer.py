@@ -8,6 +8,7 @@ of the same Linen model, and the sparse optimizers are the textbook formulas.
 from __future__ import annotations
 
 import dataclasses
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -445,6 +446,31 @@ def test_dropped_ids_are_counted_and_warned_about_once(caplog):
       preprocess(b["sparse"], trainer.plan.feature_specs, trainer.plan.layout, padding_id=-1,
                  allow_id_dropping=True)[1].num_dropped_ids for b in batches)
   assert history.dropped_ids == expected
+
+
+@pytest.mark.parametrize("pipelining", [True, False])
+def test_dropped_ids_of_the_fits_of_a_run_sum_to_the_runs_when_resumed(tmp_path, pipelining):
+  """A fit stopped at num_steps has batches prefetched past the stop: they count in the fit
+  that takes them into the run, whether this Trainer runs it or a new one resumes."""
+  batches = make_batches(6, seed=41)
+
+  def trainer(workdir):
+    return Trainer(LinearHead(), _tight_specs(), mse, optax.sgd(DENSE_LR), mesh=mesh_of(1),
+                   progress="off", padding_id=-1, allow_id_dropping=True, workdir=workdir,
+                   pipelining=pipelining, prefetch_depth=3)
+
+  whole = trainer(tmp_path / "whole").fit(batches).dropped_ids
+  per_batch = [
+      preprocess(b["sparse"], _tight_specs(), trainer(None).plan.layout, padding_id=-1,
+                 allow_id_dropping=True)[1].num_dropped_ids for b in batches]
+  assert whole == sum(per_batch) and min(per_batch) > 0
+  first = trainer(tmp_path / "run")
+  stopped = first.fit(batches, num_steps=3).dropped_ids
+  # Pipelined, batch 3's lookup ran in the step that reached 3 (it is in flight).
+  assert stopped == sum(per_batch[:4 if pipelining else 3])
+  shutil.copytree(tmp_path / "run", tmp_path / "copy")
+  assert stopped + first.fit(batches, num_steps=6).dropped_ids == whole
+  assert stopped + trainer(tmp_path / "copy").fit(batches, num_steps=6).dropped_ids == whole
 
 
 @pytest.mark.parametrize("host_memory, calls", [(None, 0), ("system", 0), ("keep", 1)])
