@@ -123,9 +123,9 @@ class Trainer:
 
   The batch format is documented in `pipelining._data`. With several
   processes (`initialize_distributed`), every process builds the same
-  Trainer and feeds only its slice of every global batch: B * L / G samples
+  Trainer and feeds only its slice of every global batch: B * P / G samples
   of each feature, dense feature and label, for the positions
-  `trainer.plan.local_devices()` of its L devices among the G; the specs keep
+  `trainer.plan.local_devices()` of its P devices among the G; the specs keep
   the global batch sizes. Metrics, evaluate and predict cover the global
   batch on every process; only process 0 reports progress and writes
   metrics.jsonl; checkpoints are written cooperatively to the shared workdir.

@@ -118,12 +118,12 @@ def assemble_stack(
     flats: one FlatIds per feature of the stack, in `stack.features` order,
       ids already checked to lie in [0, V) of the feature's table.
     num_devices: G; every feature's batch size is divisible by G.
-    local_devices: L, when `flats` hold the blocks of L consecutive devices
-      only (L * B_f / G samples per feature, as one process of several
+    local_devices: P, when `flats` hold the blocks of P consecutive devices
+      only (P * B_f / G samples per feature, as one process of several
       feeds); None: all G devices.
 
   Returns:
-    StackKeys, samples numbered over the L (or G) devices.
+    StackKeys, samples numbered over the P (or G) devices.
   """
   tables = {table.name: table for table in stack.tables}
   blocks = _blocks(stack, num_devices, local_devices)

@@ -66,7 +66,9 @@ def _check_layout(specs: Sequence[FeatureSpec], layout: EmbeddingLayout) -> None
             f"the layout places feature {feature.name!r} (table {feature.table!r}, batch"
             f" {feature.batch_size}) but feature_specs "
             + ("lack it" if spec is None else
-               f"have table {spec.table.name!r}, batch {spec.stacked_batch_size}")
+               f"have table {spec.table.name!r}, batch {spec.stacked_batch_size} (stacked"
+               " samples: the batch, times L for a sequence feature; output_shape"
+               f" {spec.output_shape})")
             + ". Build the layout from these feature specs."
         )
       vocabulary = stack.table(feature.table).vocabulary_size
@@ -219,16 +221,16 @@ def preprocess(
     capacities: stack name -> (C, U), overriding the maxima of the stack's
       tables' max_ids_per_partition / max_unique_ids_per_partition.
     devices: process-local preprocessing: the consecutive layout devices
-      [first, stop) whose samples `features` hold, L = len(devices) of the
-      G. Every feature then holds L * B_f / G samples, its global samples
-      [first * B_f / G, stop * B_f / G), and the output covers those L
-      devices only (leading axis L), each device's buffers identical to the
+      [first, stop) whose samples `features` hold, P = len(devices) of the
+      G. Every feature then holds P * B_f / G samples, its global samples
+      [first * B_f / G, stop * B_f / G), and the output covers those P
+      devices only (leading axis P), each device's buffers identical to the
       global call's; the stats describe those devices. Feature specs and
       layout keep the global batch sizes. None: all G devices.
 
   Returns:
     (stack name -> StackBatch, PreprocessStats). Shapes: unique_rows
-    [G, N, U], the entry arrays [G, N * C] (L instead of G with `devices`).
+    [G, N, U], the entry arrays [G, N * C] (P instead of G with `devices`).
     Every StackBatch carries the `StackSignature` of its stack (`signature`,
     static metadata), by which the primitives refuse it for another plan.
 
@@ -252,9 +254,9 @@ def preprocess(
     layout = auto_stack_tables(features, num_devices=jax.device_count())
     batch, stats = preprocess({"user": user_ids, "item": RaggedIds(v, splits)},
                               features, layout, padding_id=-1)
-    # Process p of several, feeding the mesh positions of its L devices:
+    # Process p of several, feeding the mesh positions of its P devices:
     local_batch, _ = preprocess(local_features, features, layout,
-                                devices=range(p * L, (p + 1) * L))
+                                devices=range(p * P, (p + 1) * P))
   """
   if not isinstance(allow_id_dropping, (bool, np.bool_)):
     raise TypeError(

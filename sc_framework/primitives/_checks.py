@@ -280,6 +280,8 @@ def _signature_differences(got: StackSignature, want: StackSignature) -> list[st
     differ(f"{kind}s", [row[0] for row in a], [row[0] for row in b])
     for name in [name for name in a_rows if name in b_rows]:
       for column, x, y in zip(columns, a_rows[name], b_rows[name]):
+        if column == "batch_size":
+          column += " (stacked samples: the batch, times L for a sequence feature)"
         differ(f"{kind} {name!r} {column}", x, y)
   differ("combiner", got.combiner, want.combiner)
   differ("sequence features", list(got.sequence_features), list(want.sequence_features))

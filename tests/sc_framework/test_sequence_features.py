@@ -13,6 +13,7 @@ sequences, COO with absent positions), on 1 and 8 devices.
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -318,6 +319,21 @@ def test_activation_gradients_of_the_wrong_shape_are_refused():
   grads["tokens"] = np.zeros((BATCH * LENGTH, 6), np.float32)
   with pytest.raises(ValueError, match=r"activation_grads\['tokens'\] has shape \(96, 6\) but"):
     apply_embedding_gradients(plan, variables, batch, grads, 0)
+
+
+def test_a_layout_or_batch_of_another_sequence_length_says_batch_times_length():
+  """Specs of L=6 against a layout (or a batch) of L=5: the sizes that differ are B * L."""
+  table = TableSpec("w", 20, 4)
+  five, six = ([FeatureSpec("hist", table, (4, length), (4, length, 4))] for length in (5, 6))
+  layout = auto_stack_tables(five, num_devices=1)
+  why = re.escape("(stacked samples: the batch, times L for a sequence feature")
+  with pytest.raises(ValueError, match=rf"batch 20\) but feature_specs have table 'w', batch 24 {why}"
+                                       r"; output_shape \(4, 6, 4\)\)"):
+    preprocess({"hist": np.ones((4, 6), np.int64)}, six, layout)
+  plan = EmbeddingPlan.create(six, mesh=Mesh(np.array(jax.devices()[:1]), ("devices",)))
+  batch, _ = preprocess({"hist": np.ones((4, 5), np.int64)}, five, layout)
+  with pytest.raises(ValueError, match=rf"feature 'hist' batch_size {why}\) 20 \(batch\) vs 24"):
+    embedding_lookup(plan, init_embedding_variables(plan, jax.random.key(0)).tables, batch)
 
 
 @pytest.mark.parametrize("combiner", ["mean", "sqrtn"])
