@@ -280,8 +280,6 @@ def _signature_differences(got: StackSignature, want: StackSignature) -> list[st
     differ(f"{kind}s", [row[0] for row in a], [row[0] for row in b])
     for name in [name for name in a_rows if name in b_rows]:
       for column, x, y in zip(columns, a_rows[name], b_rows[name]):
-        if column == "batch_size":
-          column += " (stacked samples: the batch, times L for a sequence feature)"
         differ(f"{kind} {name!r} {column}", x, y)
   differ("combiner", got.combiner, want.combiner)
   differ("sequence features", list(got.sequence_features), list(want.sequence_features))
@@ -302,6 +300,8 @@ def _check_signature(plan: EmbeddingPlan, stack, sparse: StackBatch, what: str) 
     return
   differences = _signature_differences(got, want) or [f"{got!r} (batch) vs {want!r} (plan)"]
   shown = differences[:8] + ([f"and {len(differences) - 8} more"] if len(differences) > 8 else [])
+  if any(" batch_size " in difference for difference in shown):
+    shown[-1] += " (a batch_size counts stacked samples: the batch, times L for a sequence feature)"
   raise ValueError(
       f"{what}[{stack.name!r}] was preprocessed for another layout than the plan's stack"
       f" {stack.name!r} (tables {list(stack.table_names)}): " + "; ".join(shown) + "."

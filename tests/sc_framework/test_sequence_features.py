@@ -326,13 +326,14 @@ def test_a_layout_or_batch_of_another_sequence_length_says_batch_times_length():
   table = TableSpec("w", 20, 4)
   five, six = ([FeatureSpec("hist", table, (4, length), (4, length, 4))] for length in (5, 6))
   layout = auto_stack_tables(five, num_devices=1)
-  why = re.escape("(stacked samples: the batch, times L for a sequence feature")
-  with pytest.raises(ValueError, match=rf"batch 20\) but feature_specs have table 'w', batch 24 {why}"
-                                       r"; output_shape \(4, 6, 4\)\)"):
+  why = re.escape("stacked samples: the batch, times L for a sequence feature")
+  with pytest.raises(ValueError, match=rf"batch 20\) but feature_specs have table 'w', batch 24"
+                                       rf" \({why}; output_shape \(4, 6, 4\)\)"):
     preprocess({"hist": np.ones((4, 6), np.int64)}, six, layout)
   plan = EmbeddingPlan.create(six, mesh=Mesh(np.array(jax.devices()[:1]), ("devices",)))
   batch, _ = preprocess({"hist": np.ones((4, 5), np.int64)}, five, layout)
-  with pytest.raises(ValueError, match=rf"feature 'hist' batch_size {why}\) 20 \(batch\) vs 24"):
+  with pytest.raises(ValueError, match=r"feature 'hist' batch_size 20 \(batch\) vs 24 \(plan\)"
+                                       rf" \(a batch_size counts {why}\)"):
     embedding_lookup(plan, init_embedding_variables(plan, jax.random.key(0)).tables, batch)
 
 
