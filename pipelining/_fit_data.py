@@ -8,10 +8,12 @@ Every fit reads its batches through a `Prefetcher` over a `DataStream`
   handing out the batches that fit took but did not apply. So
   fits in chunks on the same data equal one fit, also for a one-shot
   iterator, as a new Trainer resuming the final checkpoint would;
-- any other fit starts at `position(after_interruption)`: after a stop
-  request (or an exception, once the loop ran) whose data did not end,
-  another object of the same data skips the batches consumed; else a newer
-  checkpoint's position, or the beginning.
+- any other fit starts at `position(after_interruption)`: given the data
+  object of a fit whose stream could not be carried after a stop request
+  (or an exception, once the loop ran) before its data ended, at the loop's
+  data position (a re-iterable skips the batches consumed; a one-shot
+  iterator cannot go back, and says so); else at a newer checkpoint's
+  position, or at the beginning: other data starts from its beginning.
 """
 
 from __future__ import annotations
@@ -61,9 +63,13 @@ class FitData:
     # After a fit that stopped before its data ended: its data, stream and the
     # batches taken but not applied. Each fit consumes it (`consume`).
     self._carry: _CarriedStream | None = None
-    # True after a stop request or an exception whose data did not end: the
-    # next fit on other data starts at the loop's position. Each fit consumes it.
-    self._at_loop_position = False
+    # After a stop request or an exception whose data did not end, when its
+    # stream is not carried: that fit's data, which the next fit given it
+    # starts at the loop's position. Each fit consumes it.
+    self._at_loop_position_of: Iterable[Any] | None = None
+    # A one-shot iterator a fit took batches from, then raised before training
+    # on them (`spent`): no later fit can be given it.
+    self._spent: Iterable[Any] | None = None
 
   def open(self, train_data: Iterable[Any], epochs: int | None, *, can_continue: bool,
            position: Callable[[bool], dict[str, Any]],
@@ -85,7 +91,15 @@ class FitData:
     Returns:
       The prefetcher, and whether it continues the last fit's stream.
     """
-    carry, after_interruption = self._carry, self._at_loop_position
+    carry = self._carry
+    if train_data is self._spent:
+      raise ValueError(
+          "train_data is the one-shot iterator that an earlier fit of this Trainer took"
+          " batches from and then raised before it trained on them: it cannot hand those"
+          " batches out again. Pass a new iterator that starts at the batch the data should"
+          " start at, or a re-iterable (a list, or an object whose __iter__ starts over).")
+    after_interruption = (self._at_loop_position_of is not None
+                          and self._at_loop_position_of is train_data)
     continued = (carry is not None and carry.data is train_data
                  and carry.epochs == epoch_count(epochs) and can_continue)
     if continued:
@@ -113,16 +127,24 @@ class FitData:
 
   def consume(self) -> None:
     """Forgets what the last fit handed on: this fit's stream is open (its loop starts)."""
-    self._carry, self._at_loop_position = None, False
+    self._carry, self._at_loop_position_of = None, None
+
+  def spent(self, train_data: Iterable[Any]) -> None:
+    """A fit took batches from the one-shot iterator `train_data` (a stream of its own, not
+    a carried one), then raised before its loop started: a later fit given it refuses it,
+    where it would silently start after the lost batches."""
+    self._spent = train_data
 
   def drop_carry(self) -> None:
     """Forgets the carried stream: a fit took batches from it, then ended untrained.
 
-    The next fit starts at the loop's data position, as after a fit that
-    raised once its loop ran (a one-shot iterator cannot go back there, and
-    says so, where it would otherwise lose the batches taken).
+    The next fit given that data starts at the loop's data position, as
+    after a fit that raised once its loop ran (a one-shot iterator cannot go
+    back there, and says so, where it would otherwise lose the batches taken).
     """
-    self._carry, self._at_loop_position = None, True
+    carried = self._carry
+    self._carry = None
+    self._at_loop_position_of = None if carried is None else carried.data
 
   def hand_on(self, train_data: Iterable[Any], epochs: int | None, prefetcher: Prefetcher,
               unapplied: tuple[Prepared, ...], *, interrupted: bool, data_ended: bool,
@@ -140,7 +162,7 @@ class FitData:
     stream broke, or the processes cannot agree any more) nothing is
     carried: the next fit starts at the loop's data position.
     """
-    self._at_loop_position = interrupted and not data_ended
+    self._at_loop_position_of = train_data if interrupted and not data_ended else None
     self._carry = None
     if data_ended or not keep_stream:
       return

@@ -126,12 +126,22 @@ class FitStream:
     no longer agree). Nothing is handed on before the loop started, or
     again after `hand_on`.
     """
+    if not self._started:
+      self._note_spent()
     if not self._started or self._handed_on:
       return
     keep = (isinstance(error, Exception) and not self._prefetcher.failed
             and jax.process_count() == 1)
     self._fit_data.hand_on(self._train_data, self._epochs, self._prefetcher, self._unapplied(),
                            interrupted=True, data_ended=self._data_ended, keep_stream=keep)
+
+  def _note_spent(self) -> None:
+    """Before the loop started: a one-shot iterator this fit's own stream took batches from
+    lost them (`FitData.spent`). A carried stream's loss is `drop_carry`'s."""
+    data = self._train_data
+    took = self._prefetcher.iterator.batches_consumed > self._prefetcher.start_index
+    if took and not self.continued and hasattr(data, "__next__") and iter(data) is data:
+      self._fit_data.spent(data)
 
   def close(self, *, aborted: bool = False) -> None:
     """Stops the prefetch thread, waiting boundedly: it may be stuck in the user's iterator.

@@ -134,7 +134,7 @@ class Prefetcher:
     self._remainder = collections.deque(remainder)
     self._queue: queue.Queue = queue.Queue(maxsize=depth)
     self._stop = threading.Event()
-    self._index = start_index
+    self._index = self._start_index = start_index
     self._finished = False
     self._failed = False
     self._closed = False
@@ -201,6 +201,11 @@ class Prefetcher:
   def failed(self) -> bool:
     """Whether the consumer got a failure of the iterator or of `prepare` (the stream broke)."""
     return self._failed
+
+  @property
+  def start_index(self) -> int:
+    """The stream position of the first batch taken from `iterator`."""
+    return self._start_index
 
   @property
   def iterator(self) -> Iterator[Any]:

@@ -98,3 +98,15 @@ def test_a_one_shot_iterator_without_a_saved_state_is_told_what_is_missing():
     DataStream(Positioned(["a", "b", "c"]), batches_consumed=2, position=None)
   with pytest.raises(ValueError, match=r"one-shot iterator without get_state\(\)/set_state\(\)"):
     DataStream(iter(["a", "b", "c"]), batches_consumed=2)
+
+
+def test_several_epochs_of_a_one_shot_iterator_are_refused_before_the_first_batch():
+  """Refused when the second pass began, the first pass had trained (and was not saved)."""
+  for one_shot in (iter(["a", "b"]), Positioned(["a", "b"])):
+    with pytest.raises(ValueError, match="epochs=2 needs re-iterable train_data"):
+      DataStream(one_shot, epochs=2)
+  # Resumed in its last pass, a one-shot iterator has that pass to make.
+  resumed = DataStream(Positioned(["a", "b", "c"]), epochs=2, batches_consumed=4,
+                       position={"at": 1}, epoch=1)
+  assert _drain(resumed) == [("b", {"batches_consumed": 5, "epoch": 1, "position": {"at": 2}}),
+                             ("c", {"batches_consumed": 6, "epoch": 1, "position": {"at": 3}})]

@@ -521,6 +521,25 @@ def test_a_fit_after_a_raising_callback_continues_the_data_where_it_stood(pipeli
 
 
 @pytest.mark.parametrize("pipelining", [True, False])
+@pytest.mark.parametrize("stop", ["request_stop", "raising_callback"])
+def test_other_data_after_a_stopped_fit_starts_from_its_beginning(pipelining, stop):
+  """Early stopping on one dataset, then a fit on another (fine-tuning): the other data's
+  first batches are trained, as after a fit stopped at num_steps."""
+  first_data, other = make_batches(8, seed=95), make_batches(5, seed=96)
+  stopped, reference = make_trainer(None, pipelining), make_trainer(None, pipelining)
+  if stop == "request_stop":
+    assert stopped.fit(first_data, callbacks=[stop_at(3)]).final_step == 3
+  else:
+    with pytest.raises(RuntimeError, match="raised by a callback at step 3"):
+      stopped.fit(first_data, callbacks=[raise_at(3)])
+  reference.fit(first_data, num_steps=3)
+  history = stopped.fit(other)
+  assert len(history.steps) == 5 + pipelining  # pipelined: first_data's batch in flight too
+  reference.fit(other)
+  assert_same_run(stopped, reference)
+
+
+@pytest.mark.parametrize("pipelining", [True, False])
 def test_a_batch_fixed_after_its_error_is_applied_in_its_place(tmp_path, pipelining):
   """A bad batch of a list raises; fixed in place, the next fit applies it and goes on, as
   a new Trainer resuming the workdir does."""
@@ -666,24 +685,44 @@ def test_fit_after_evaluate_restores_a_newer_checkpoint_at_the_end_of_the_data(t
 @pytest.mark.parametrize("one_shot", [False, True])
 def test_a_fit_that_fails_before_training_keeps_where_a_stopped_fit_left_the_data(
     pipelining, one_shot):
-  """After a stop at step 4, a fit on other data whose next batch is bad raised before it
-  trained anything, and forgot where the stopped fit left the data: the next fit, on a
-  fixed copy, started the data over; on the stopped fit's one-shot iterator, it lost the
-  batches that fit had taken."""
+  """After a stop at step 4, a fit on other data whose first batch is bad raises before it
+  trained anything: the next fit on the stopped fit's data continues where that fit left
+  it (a one-shot iterator loses none of the batches that fit had taken)."""
   batches = make_batches(9, seed=91)
   data = iter(batches) if one_shot else batches
   stopped = make_trainer(None, pipelining)
   assert stopped.fit(data, callbacks=[stop_at(4)]).final_step == 4
-  # Not dicts. Another object of the data continues after the batches taken: after
-  # batch 4 when pipelined (it is in flight), at batch 4 when synchronous.
-  broken = [[batch] if k in (4, 5) else batch for k, batch in enumerate(batches)]
-  with pytest.raises(TypeError, match=f"batch {5 if pipelining else 4} of the training data"):
-    stopped.fit(broken)
+  broken = [[batch] if k == 0 else batch for k, batch in enumerate(make_batches(3, seed=97))]
+  with pytest.raises(TypeError, match="batch 0 of the training data"):
+    stopped.fit(broken)  # not a dict
   assert int(stopped.state.step) == 4
-  assert stopped.fit(data if one_shot else list(batches)).final_step == 9
+  assert stopped.fit(data).final_step == 9
   reference = make_trainer(None, pipelining)
   reference.fit(batches)
   assert_same_run(stopped, reference)
+
+
+@pytest.mark.parametrize("pipelining", [True, False])
+def test_a_one_shot_iterator_whose_first_batch_was_bad_is_refused_not_started_after_it(
+    pipelining):
+  """A fresh Trainer's first fit raised on the generator's first batch (its prefetch took
+  more): a fit given the generator again would silently start after the batches taken."""
+  batches = make_batches(6, seed=98)
+
+  def generator():
+    yield [batches[0]]  # not a dict
+    yield from batches[1:]
+
+  trainer, data = make_trainer(None, pipelining), generator()
+  with pytest.raises(TypeError, match="batch 0 of the training data"):
+    trainer.fit(data)
+  with pytest.raises(ValueError, match="one-shot iterator that an earlier fit of this Trainer"
+                                       " took batches from and then raised before it trained"):
+    trainer.fit(data)
+  assert trainer.fit(iter(batches)).final_step == 6  # a new iterator starts anew
+  reference = make_trainer(None, pipelining)
+  reference.fit(batches)
+  assert_same_run(trainer, reference)
 
 
 @pytest.mark.parametrize("pipelining", [True, False])
