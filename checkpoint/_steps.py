@@ -36,6 +36,7 @@ from etils import epath
 from orbax.checkpoint import path as ocp_path
 
 from checkpoint import _integrity
+from checkpoint._storage import orbax_path
 from checkpoint._errors import IncompatibleCheckpointError
 
 TMP_SUFFIX = ocp.path.atomicity.TMP_DIR_SUFFIX
@@ -396,7 +397,7 @@ def check_dense_tree(item_dir: epath.Path, item: str, requested: Any) -> None:
       shapes and the step directory.
   """
   try:
-    stored = ocp.PyTreeCheckpointHandler().metadata(item_dir)
+    stored = ocp.PyTreeCheckpointHandler().metadata(orbax_path(item_dir))
   except (OSError, ValueError, KeyError, TypeError):
     return  # Not a PyTree item (or no metadata): Orbax reports it.
   stored_tree = getattr(stored, "tree", stored)

@@ -194,6 +194,12 @@ def kvstore_spec(path: epath.PathLike) -> dict:
   return {"driver": "file", "path": os.path.abspath(text).rstrip("/") + "/"}
 
 
+def orbax_path(path: epath.Path) -> epath.Path:
+  """`path` as Orbax's handlers take it: a local path made absolute (they refuse relative
+  ones), a gs:// or s3:// path as it is."""
+  return path if "://" in os.fspath(path) else path.absolute()
+
+
 def check_local_path(path: epath.PathLike) -> None:
   """Raises if TensorStore cannot address a local path as it is written.
 

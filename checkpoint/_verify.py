@@ -366,7 +366,7 @@ def _pytree_item_problems(item: epath.Path) -> list[Problem]:
   if problems:
     return problems
   try:  # Orbax's own reading: every key type and leaf type it must know
-    ocp.PyTreeCheckpointHandler().metadata(item)
+    ocp.PyTreeCheckpointHandler().metadata(_storage.orbax_path(item))
   except Exception as error:  # noqa: BLE001 - Orbax raises ValueError, KeyError and others
     if _errors.storage_failure(error) is not None:
       raise _errors.read_error(error, f"reading {path} failed") from error

@@ -26,7 +26,7 @@ class TrainerConfig:
 
   Attributes:
     pipelining: overlap the lookup of batch k+1 with the dense step of batch k
-      (lookups one update stale, see DESIGN.md); False gives synchronous
+      (lookups one update stale, see `pipelining._fit_loop`); False gives synchronous
       training.
     prefetch_depth: batches prepared ahead on the host (>= 1).
     prefetch_workers: host threads preparing batches at once (>= 1). More

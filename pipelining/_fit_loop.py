@@ -10,7 +10,7 @@ that just ended, and after an exception the caller holds the last one.
 
 Both schedules apply every batch exactly once, in order, and stop at the
 first of: `num_steps` updates in total, the end of the data (of any process),
-a requested stop. The pipelined one follows DESIGN.md:
+a requested stop. The pipelined one:
 
   prime:     lookup(batch 0)                      -> in flight
   step k:    dense(k) + update(k) + lookup(k + 1) -> in flight

@@ -1,7 +1,7 @@
 """The pipeline's in-flight batch in a layout-free form, for checkpoints.
 
 A pipelined checkpoint taken between steps holds one batch whose lookup ran
-early (DESIGN.md, "Training semantics"). It is stored without anything that
+early (the pipelined schedule of `pipelining._fit_loop`). It is stored without anything that
 depends on the layout (device count G, shards per device S, stacking) or on
 the number of processes, so it resumes on any of them:
 

@@ -1,6 +1,6 @@
 """The compiled training steps, synchronous and pipelined.
 
-Notation (DESIGN.md): T_k, theta_k are the tables and dense parameters after k
+Notation: T_k, theta_k are the tables and dense parameters after k
 updates, x_k is batch k, a_k its activations.
 
   prime(T_0, x_0)            -> a_0 = lookup(T_0, x_0)

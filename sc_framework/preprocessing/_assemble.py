@@ -14,7 +14,7 @@ id i becomes the int64 key
   key = b * V_s + global_row(i),
   global_row(i) = ((i mod N + r_k) mod N) * R + floor(i / N) + o_k
 
-(the layout of DESIGN.md). The keys come out grouped by sample (ascending b),
+(the layout of `sc_framework.stacking._layout`). The keys come out grouped by sample (ascending b),
 each sample's ids in input order. This is the only pass over the ids that
 depends on the layout; everything downstream works on keys.
 """

@@ -40,7 +40,7 @@ def stack_name(table_names: Sequence[str], *, max_length: int = MAX_STACK_NAME_L
 
 
 def stacking_key(table: TableSpec) -> tuple:
-  """Tables with equal keys may share a stack (the DESIGN.md rule)."""
+  """Tables with equal keys may share a stack (the stacking rule)."""
   return (round_up(table.embedding_dim, 8), table.optimizer, table.combiner)
 
 

@@ -1,6 +1,6 @@
 """The stacked, sharded table layout: a persisted value object.
 
-Notation (DESIGN.md): G devices on the table axis, S shards per device,
+Notation: G devices on the table axis, S shards per device,
 N = G * S shards. For a table with vocabulary V and dimension D:
 
   V' = ceil(V / (8 N)) * 8 N        (padded vocabulary)

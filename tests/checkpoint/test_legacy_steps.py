@@ -154,11 +154,16 @@ def test_adopt_refuses_a_partial_copy(full_steps, tmp_path, capsys, damage, mess
   assert not (step / "integrity.json").exists()
 
 
-def test_adopt_of_a_whole_copy_restores_every_item(full_steps, tmp_path):
+@pytest.mark.parametrize("relative", [False, True])
+def test_adopt_of_a_whole_copy_restores_every_item(full_steps, tmp_path, monkeypatch, relative):
+  """relative: the step named from its root's parent, as the README shows it (Orbax, which
+  reads the trees, refused relative paths: every tree item was called unreadable)."""
   root = tmp_path / "checkpoints"
   shutil.copytree(full_steps.root, root)
   (root / "2" / "integrity.json").unlink()
-  assert main(["verify", "--adopt", str(root / "2")]) == 0
+  if relative:
+    monkeypatch.chdir(tmp_path)
+  assert main(["verify", "--adopt", "checkpoints/2" if relative else str(root / "2")]) == 0
   with ck.CheckpointManager(root, read_only=True) as mngr:
     assert mngr.latest_step() == 2
     meta = mngr.restore(2, items={"meta": ocp.args.JsonRestore()})["meta"]

@@ -2,7 +2,7 @@
 
 The reference builds, for every feature and sample, the dict logical id ->
 combiner gain from plain per-sample Python lists, places every id with the
-DESIGN.md formulas, and splits the samples over the devices. Every StackBatch
+documented layout formulas, and splits the samples over the devices. Every StackBatch
 is decoded back into per-sample multisets {(shard, local row, gain)} and
 compared, and a numpy lookup through the buffers is compared with the dense
 sum_j gain_j * table[id_j]. Every test runs twice: with the C++ preprocessing
@@ -100,7 +100,7 @@ def reference_gains(samples, combiner):
 
 
 def reference_place(layout, stack, table_name, i):
-  """(shard, local row) of logical row i, from the DESIGN.md formulas."""
+  """(shard, local row) of logical row i, from the documented layout formulas."""
   n_shards, s = layout.num_shards, layout.shards_per_device
   offset = 0
   for k, table in enumerate(stack.tables):

@@ -63,7 +63,7 @@ def table_rows(name: str, ids, dim: int, seed: int) -> np.ndarray:
 
 
 def logical_rows(layout, stack, shard: int, local: np.ndarray):
-  """(table name, logical id) of local rows of `shard`, by the formulas of DESIGN.md."""
+  """(table name, logical id) of local rows of `shard`, by the documented layout formulas."""
   n_count, s_count = layout.num_shards, layout.shards_per_device
   offset = 0
   out = [None] * local.size

@@ -1,7 +1,7 @@
 """The C++ preprocessing loops (`_host_kernels`) against numpy, bit for bit.
 
 Two levels: each loop against a plain numpy statement of what it computes
-(a stable lexsort, np.unique, fancy indexing, the DESIGN.md row formula), on
+(a stable lexsort, np.unique, fancy indexing, the documented row formula), on
 random arrays; and whole `preprocess` calls with the loops against the same
 calls with numpy alone, over random models (devices, shards, combiners,
 weights, id dtypes, long samples, repeated ids, tight limits with and without

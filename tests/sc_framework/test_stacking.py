@@ -1,8 +1,9 @@
-"""The stacked, sharded table layout (DESIGN.md), stacking and host stack/unstack.
+"""The stacked, sharded table layout, stacking and host stack/unstack.
 
 The layout is persisted, so it is checked three ways: against the worked
-example of DESIGN.md, against an independent per-row reference written below
-from DESIGN.md's text, and by properties over random table sets.
+example of the project's design document, against an independent per-row reference
+written below from the layout's documented formula (sc_framework/stacking/_layout.py,
+the README), and by properties over random table sets.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def _match(*parts: str) -> str:
 
 
 # --- the independent reference ----------------------------------------------
-# Written from DESIGN.md's text, row by row, without the library's mapping.
+# Written from the documented formula, row by row, without the library's mapping.
 
 
 @dataclasses.dataclass
@@ -128,7 +129,7 @@ def _reference_owners(ref: _RefStack) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _reference_groups(features: list[FeatureSpec]) -> list[list[str]]:
-  """DESIGN.md's grouping: same D', optimizer and combiner; users' order."""
+  """The documented grouping: same D', optimizer and combiner; users' order."""
   groups: list[tuple[tuple, list[str]]] = []
   for feature in features:
     table = feature.table
@@ -216,7 +217,7 @@ _SEEDS = st.integers(0, 2**32 - 1)
 _DTYPES = st.sampled_from([np.float32, np.float64, np.float16, ml_dtypes.bfloat16, np.int32])
 
 
-# --- the worked example of DESIGN.md -----------------------------------------
+# --- the worked example of the design document ------------------------------
 
 
 @pytest.fixture
