@@ -12,14 +12,18 @@ from etils import epath
 
 from checkpoint import IncrementalPolicy
 from checkpoint._storage import as_path
-from sc_framework._renamed import SHARDS_RENAMED, refusing_renamed
+from sc_framework._renamed import SHARDS_RENAMED, refusing_renamed, use_instead
 from sc_framework._scalars import python_scalar, python_scalar_fields
 from sc_framework.preprocessing import PaddingId
 from sc_framework.primitives import EmbeddingBackend
 from sc_framework.stacking import Stacking, normalize_stacking
 
 
-@refusing_renamed(SHARDS_RENAMED)
+# CheckpointManager's name for the steps it retains.
+_RENAMED = {**SHARDS_RENAMED, "keep_latest": use_instead("keep", "keep_latest")}
+
+
+@refusing_renamed(_RENAMED)
 @dataclasses.dataclass(frozen=True)
 class TrainerConfig:
   """Options of `Trainer`; every field has a working default.

@@ -46,6 +46,17 @@ from sc_framework.primitives import (
 )
 
 
+def call_loss(loss_fn: Callable[[Any, Any], Any], predictions: Any, labels: Any) -> Any:
+  """loss_fn(predictions, labels); a TypeError or ValueError it raises (shapes that do not
+  broadcast, say) gets a note with the shapes of both, which JAX's message lacks."""
+  try:
+    return loss_fn(predictions, labels)
+  except (TypeError, ValueError) as error:
+    shapes = lambda tree: jax.tree.map(lambda leaf: tuple(getattr(leaf, "shape", ())), tree)  # noqa: E731
+    error.add_note(f"(raised in loss_fn(predictions, labels), the model's predictions of shape"
+                   f" {shapes(predictions)} and the batch's labels of shape {shapes(labels)})")
+    raise
+
 class TrainState(NamedTuple):
   """Everything that training updates, as one pytree.
 
@@ -155,7 +166,8 @@ class StepFunctions:
     """Dense forward/backward at (theta_k, a_k): (loss, metrics, dL/dtheta, dL/da)."""
 
     def objective(params, activations):
-      return self.loss_fn(self.apply_fn(params, activations, batch.dense), batch.labels)
+      return call_loss(self.loss_fn, self.apply_fn(params, activations, batch.dense),
+                       batch.labels)
 
     loss, aux, param_grads, activation_grads = value_and_grads(
         objective, state.params, activations
@@ -224,7 +236,7 @@ class StepFunctions:
   def evaluate_body(self, state: TrainState, batch: DeviceBatch):
     """The predictions and the loss's metrics ("loss" and its aux entries)."""
     predictions = self.predict_body(state, batch)
-    loss, aux = loss_and_aux(self.loss_fn(predictions, batch.labels))
+    loss, aux = loss_and_aux(call_loss(self.loss_fn, predictions, batch.labels))
     return predictions, {"loss": loss, **_metrics(aux)}
 
   # --- compiled ---------------------------------------------------------------

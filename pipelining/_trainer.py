@@ -509,7 +509,9 @@ class Trainer:
         ones); None trains until the data (all epochs) ends.
       epochs: passes over train_data; None is one pass.
       eval_data: evaluated every `eval_every` steps and at the end (once
-        per step: not again when the last step was an `eval_every` one).
+        per step: not again when the last step was an `eval_every` one). A
+        fit that was interrupted (a stop request, early stopping included,
+        or SIGTERM/SIGINT) skips the evaluation at its end.
       eval_every: steps between evaluations (needs eval_data, re-iterable:
         a list or a dataset, not a one-shot iterator).
       callbacks: `Callback` hooks.
@@ -898,8 +900,10 @@ class Trainer:
   def predict(self, data: Iterable[Any]) -> Any:
     """The model's predictions for every batch of `data`, concatenated.
 
-    A batch needs only what the model reads: "sparse" (and "dense"); its
-    labels, if any, are ignored and the loss is not computed. Predictions in
+    A batch needs only what the model reads: "sparse", and "dense" when the
+    Trainer's batches carried it (the model is called as it was built, even
+    when it ignores the dense features); its labels, if any, are ignored and
+    the loss is not computed. Predictions in
     a pytree come back in that pytree, each leaf concatenated. With several
     processes each feeds its slice of every batch and every process gets the
     predictions of the whole global batches. With a workdir, a newer

@@ -130,6 +130,18 @@ def test_fit_refuses_labels_of_another_shape_than_the_predictions():
     make_trainer().fit(batches)
 
 
+@pytest.mark.parametrize("call", ["fit", "evaluate"])
+def test_a_loss_that_fails_on_the_shapes_is_told_both_shapes(call):
+  """Labels [B, 2] against predictions [B] do not broadcast: JAX's error named neither."""
+  batches = make_batches(2, seed=103)
+  for b in batches:
+    b["labels"] = np.stack([b["labels"]] * 2, axis=1)
+  with pytest.raises((TypeError, ValueError)) as info:
+    getattr(make_trainer(eval_metrics=()), call)(batches)
+  assert (f"(raised in loss_fn(predictions, labels), the model's predictions of shape ({BATCH},)"
+          f" and the batch's labels of shape ({BATCH}, 2))") in info.value.__notes__
+
+
 @pytest.mark.parametrize("pipelining", [True, False])
 def test_fit_refuses_labels_of_half_the_batch_naming_both_sizes(pipelining):
   batches = make_batches(2, seed=102)

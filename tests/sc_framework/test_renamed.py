@@ -52,6 +52,8 @@ TABLE = TableSpec("t", 10, 4)
         (lambda **kw: EmbeddingPlan.create([FeatureSpec("f", TABLE, (2, 3))], **kw),
          "num_sc_per_device", "shards_per_device="),
         (lambda **kw: TrainerConfig(**kw), "num_sc_per_device", "shards_per_device="),
+        # CheckpointManager's name, which a Trainer user guesses.
+        (lambda **kw: TrainerConfig(**kw), "keep_latest", "keep="),
     ],
 )
 def test_another_librarys_argument_name_says_what_to_pass_here(make, theirs, ours):
