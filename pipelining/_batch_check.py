@@ -27,6 +27,7 @@ wrong thing.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
@@ -36,6 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from sc_framework._byte_order import native_dtype
+
+_LOG = logging.getLogger("pipelining")
 
 BatchUse = Literal["training", "evaluation", "prediction"]
 
@@ -48,6 +51,7 @@ _CHECKED: dict[str, tuple[str, ...]] = {
     "training": ("dense", "labels"), "evaluation": ("dense", "labels"),
     "prediction": ("dense",),
 }
+_READ = ("sparse", "dense", "labels")  # every entry any use reads
 _METHOD = {"training": "fit", "evaluation": "evaluate", "prediction": "predict"}
 _WHY = {
     "sparse": "every batch needs the ids of its sparse features: {{'feature name': ids, ...}}.",
@@ -215,6 +219,7 @@ class BatchChecker:
                      f"this process's share, {local_devices} of {num_devices} devices, of the"
                      f" FeatureSpecs' global batch size {sizes_text}")
     self._first: dict[str, Shapes] = {}
+    self._unread_told: set[str] = set()  # entries no batch use reads, warned about once
     self._lock = threading.Lock()
 
   def check(self, raw: Any, use: BatchUse, index: int | None) -> None:
@@ -228,6 +233,7 @@ class BatchChecker:
     """
     where = batch_name(use, index)
     check_entries(raw, use, where)
+    self._warn_unread(raw, where)
     for entry in _CHECKED[use]:
       check_unmasked(raw.get(entry), entry, where)
       shapes = describe(raw.get(entry), entry, where)
@@ -236,6 +242,20 @@ class BatchChecker:
         first = self._first.setdefault(entry, shapes)
       if first is not shapes:
         check_like_first(entry, first, shapes, where)
+
+
+  def _warn_unread(self, raw: Mapping[str, Any], where: str) -> None:
+    """Warns once per entry name: a batch entry the Trainer does not read ('weights' meant as
+    per-sample weights, a misspelt 'label') is otherwise ignored without a word."""
+    with self._lock:
+      unread = sorted(str(key) for key in raw
+                      if key not in _READ and str(key) not in self._unread_told)
+      self._unread_told.update(unread)
+    if unread:
+      _LOG.warning(
+          "%s has entries %s that the Trainer does not read (it reads only 'sparse', 'dense'"
+          " and 'labels'); they are ignored. Per-sample weights or other targets go into the"
+          " labels (an array or a pytree), which loss_fn receives.", where, unread)
 
 
 def check_labels_fit_predictions(predictions: Any, labels: Any) -> None:

@@ -9,6 +9,7 @@ A batch is a mapping with keys
   "labels":  the labels (array or pytree with leading dimension B), passed
              to loss_fn; needed by fit and evaluate, ignored by predict.
 
+Other entries are not read (a warning names each the first time it is seen).
 Every batch is checked before it is preprocessed (`pipelining._batch_check`).
 
 Data position. The stream counts the batches it has handed out
@@ -23,7 +24,7 @@ The checkpointed position also lists, under "skipped", the batches that were
 not applied because their loss was not finite (`TrainerConfig.save_on_nonfinite`).
 
 Several processes. Each process iterates its own data: its slice of every
-global batch (B * L / G samples of a batch of B, in order, see
+global batch (B * P / G samples of a batch of B for its P devices, in order, see
 `pipelining._placement`), the same number of batches on every process.
 Checkpoints keep every process's iterator state; a job resumed with another
 number of processes re-iterates and skips instead.

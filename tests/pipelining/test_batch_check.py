@@ -130,6 +130,20 @@ def test_fit_refuses_labels_of_another_shape_than_the_predictions():
     make_trainer().fit(batches)
 
 
+def test_entries_the_trainer_does_not_read_are_warned_about_once_each(caplog):
+  """'weights' meant as per-sample weights was ignored without a word."""
+  batches = make_batches(3, seed=104)
+  for b in batches:
+    b["weights"] = np.ones(BATCH, np.float32)
+  batches[2]["label"] = batches[2]["labels"]  # misspelt, beside the right one
+  with caplog.at_level("WARNING", logger="pipelining"):
+    assert make_trainer().fit(batches).final_step == 3
+  told = [r.getMessage() for r in caplog.records if "that the Trainer does not read" in r.message]
+  assert len(told) == 2, told
+  assert told[0].startswith("batch 0 of the training data has entries ['weights']")
+  assert told[1].startswith("batch 2 of the training data has entries ['label']")
+
+
 @pytest.mark.parametrize("call", ["fit", "evaluate"])
 def test_a_loss_that_fails_on_the_shapes_is_told_both_shapes(call):
   """Labels [B, 2] against predictions [B] do not broadcast: JAX's error named neither."""
