@@ -660,6 +660,8 @@ class Trainer:
     if first is None and not every_process_has(example):
       return False
     if example is None:
+      _LOG.warning("fit's train_data gave no batch (it is empty, or an iterator already"
+                   " exhausted): nothing was trained.")
       return False
     self._build(example)
     check_labels_fit_predictions(self._prediction_shapes, example.labels)

@@ -130,6 +130,15 @@ def test_fit_refuses_labels_of_another_shape_than_the_predictions():
     make_trainer().fit(batches)
 
 
+@pytest.mark.parametrize("empty", [[], iter([])], ids=["list", "iterator"])
+def test_fit_on_data_without_a_batch_says_nothing_was_trained(caplog, empty):
+  with caplog.at_level("WARNING", logger="pipelining"):
+    history = make_trainer().fit(empty)
+  assert history.final_step == 0 and not history.steps
+  assert "fit's train_data gave no batch (it is empty, or an iterator already exhausted)" \
+      in caplog.text
+
+
 def test_entries_the_trainer_does_not_read_are_warned_about_once_each(caplog):
   """'weights' meant as per-sample weights was ignored without a word."""
   batches = make_batches(3, seed=104)
