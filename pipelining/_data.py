@@ -89,7 +89,7 @@ class _ReadAhead:
     return self._state_before if self._pending else self._iterator.get_state()
 
 
-def _one_shot(data: Iterable[Any]) -> bool:
+def is_one_shot(data: Iterable[Any]) -> bool:
   """Whether `data` is an iterator that iterating again continues (not starts over)."""
   return hasattr(data, "__next__") and iter(data) is data
 
@@ -131,7 +131,7 @@ class DataStream:
     self.epoch = epoch
     self.resumed_at_end = False
     self._iterator = self._open(batches_consumed, position)
-    if self.epoch + 1 < self._epochs and _one_shot(data):
+    if self.epoch + 1 < self._epochs and is_one_shot(data):
       raise ValueError(
           f"epochs={self._epochs} needs re-iterable train_data (a list, or an object whose"
           " __iter__ starts over); got a one-shot iterator, which can make one pass only."

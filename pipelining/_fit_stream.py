@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import jax
 
+from pipelining._data import is_one_shot
 from pipelining._fit_data import FitData
 from pipelining._prefetch import Prefetcher, Prepared
 
@@ -140,7 +141,7 @@ class FitStream:
     lost them (`FitData.spent`). A carried stream's loss is `drop_carry`'s."""
     data = self._train_data
     took = self._prefetcher.iterator.batches_consumed > self._prefetcher.start_index
-    if took and not self.continued and hasattr(data, "__next__") and iter(data) is data:
+    if took and not self.continued and is_one_shot(data):
       self._fit_data.spent(data)
 
   def close(self, *, aborted: bool = False) -> None:
