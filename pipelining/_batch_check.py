@@ -173,27 +173,29 @@ def check_unmasked(tree: Any, entry: str, where: str) -> None:
       )
 
 
-def check_like_first(entry: str, first: Shapes, shapes: Shapes, where: str) -> None:
+def check_like_first(entry: str, first: Shapes, shapes: Shapes, where: str,
+                     first_where: str) -> None:
   """Raises ValueError unless `shapes` (of a later batch) equal `first` (the first batch's).
 
   The message names the entry and leaf ("dense['user']"), both shapes and
-  dtypes, or both sets of leaves when the structure differs.
+  dtypes, or both sets of leaves when the structure differs, and the first
+  batch (`first_where`: of another use, it may be of another data).
   """
+  earlier = f"the first batch this Trainer checked ({first_where})"
   if set(shapes) != set(first):
     raise ValueError(
-        f"{where}: its {entry!r} entry has the leaves {sorted(shapes) or 'none'} but the first"
-        f" batch's had {sorted(first) or 'none'}; every batch must have the structure of the"
-        " first (the model was built for it)."
+        f"{where}: its {entry!r} entry has the leaves {sorted(shapes) or 'none'} but"
+        f" {earlier} had {sorted(first) or 'none'}; every batch must have the structure of"
+        " the first (the model was built for it)."
     )
   for path, (shape, dtype) in first.items():
     got_shape, got_dtype = shapes[path]
     if (got_shape, got_dtype) != (shape, dtype):
       raise ValueError(
-          f"{where}: {entry}{path} has shape {got_shape} and dtype {got_dtype} but the"
-          f" first batch's had shape {shape} and dtype {dtype}; every batch must have the"
-          " shapes and dtypes of the first (the model and the compiled steps were built"
-          " for them). Feed batches of one size (drop or pad a short last batch) and one"
-          " dtype."
+          f"{where}: {entry}{path} has shape {got_shape} and dtype {got_dtype} but {earlier}"
+          f" had shape {shape} and dtype {dtype}; every batch must have the shapes and"
+          " dtypes of the first (the model and the compiled steps were built for them). Feed"
+          " batches of one size (drop or pad a short last batch) and one dtype."
       )
 
 
@@ -218,7 +220,7 @@ class BatchChecker:
     self._samples = ("the FeatureSpecs' batch size" if local_devices == num_devices else
                      f"this process's share, {local_devices} of {num_devices} devices, of the"
                      f" FeatureSpecs' global batch size {sizes_text}")
-    self._first: dict[str, Shapes] = {}
+    self._first: dict[str, tuple[Shapes, str]] = {}  # entry -> (shapes, which batch)
     self._unread_told: set[str] = set()  # entries no batch use reads, warned about once
     self._lock = threading.Lock()
 
@@ -239,9 +241,9 @@ class BatchChecker:
       shapes = describe(raw.get(entry), entry, where)
       check_rows(shapes, entry, self._rows, self._samples, where)
       with self._lock:
-        first = self._first.setdefault(entry, shapes)
+        first, first_where = self._first.setdefault(entry, (shapes, where))
       if first is not shapes:
-        check_like_first(entry, first, shapes, where)
+        check_like_first(entry, first, shapes, where, first_where)
 
 
   def _warn_unread(self, raw: Mapping[str, Any], where: str) -> None:

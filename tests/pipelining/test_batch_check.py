@@ -33,14 +33,14 @@ def test_same_shapes_pass_and_float64_counts_as_float32():
 
 @pytest.mark.parametrize("dense, labels, message", [
     (np.zeros((8, 3), np.float32), np.zeros(8, np.int32),
-     "batch 1 of the training data: labels has shape (8,) and dtype int32 but the first"
-     " batch's had shape (8,) and dtype float32"),
+     "batch 1 of the training data: labels has shape (8,) and dtype int32 but the first batch"
+     " this Trainer checked (batch 0 of the training data) had shape (8,) and dtype float32"),
     (np.zeros((8, 4), np.float32), np.zeros(8, np.float32),
      "batch 1 of the training data: dense has shape (8, 4) and dtype float32 but the first"
-     " batch's had shape (8, 3)"),
+     " batch this Trainer checked (batch 0 of the training data) had shape (8, 3)"),
     ({"x": np.zeros((8, 3), np.float32)}, np.zeros(8, np.float32),
      "batch 1 of the training data: its 'dense' entry has the leaves [\"['x']\"] but the first"
-     " batch's had ['']"),
+     " batch this Trainer checked (batch 0 of the training data) had ['']"),
 ])
 def test_a_different_batch_names_its_position_the_entry_and_both_shapes(dense, labels, message):
   checker = BatchChecker([8], 1, 1)
@@ -95,8 +95,9 @@ def test_prediction_batches_need_no_labels_and_set_none():
   checker.check({"sparse": {}, "dense": np.zeros((8, 3))}, "prediction", 0)
   # The first batch with labels sets them, whatever preceded it.
   checker.check(batch(np.zeros((8, 3)), np.zeros((8, 2))), "training", 0)
-  with pytest.raises(ValueError, match=re.escape("labels has shape (8,) and dtype float32 but"
-                                                 " the first batch's had shape (8, 2)")):
+  with pytest.raises(ValueError, match=re.escape(
+      "batch 0 of the evaluation data: labels has shape (8,) and dtype float32 but the first"
+      " batch this Trainer checked (batch 0 of the training data) had shape (8, 2)")):
     checker.check(batch(np.zeros((8, 3)), np.zeros(8)), "evaluation", 0)
 
 
