@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -34,7 +35,7 @@ from pipelining._batch_check import (
 from pipelining._callbacks import Callback, checked_callbacks, each_fit_end
 from pipelining._config import TrainerConfig, fit_arguments
 from pipelining._damage import DamagedStep, none_restores_error, one_shot_data_error
-from pipelining._data import own_position, share_position
+from pipelining._data import is_one_shot, own_position, share_position
 from pipelining._determinism import NondeterministicResumeWarning, mesh_platform, resume_caveat
 from pipelining._distributed import check_agreement, check_shared_directory
 from pipelining._features import FeatureTree
@@ -197,6 +198,9 @@ class Trainer:
     # process stops all after the same step (`_stopping`).
     self._stop_requested = threading.Event()
     self._fitting = False  # fit's loop runs (and carries the state itself)
+    # One-shot iterators the latest evaluates and predicts iterated: used up for a later
+    # fit (held, as builtin iterators take no weak reference; used up, they hold little).
+    self._used_one_shot: collections.deque = collections.deque(maxlen=16)
     self._stop = threading.Event()
     self._checkpoints = None
     if self.config.workdir is not None:
@@ -548,6 +552,11 @@ class Trainer:
     check_not_one_batch(train_data, "fit's train_data")
     check_not_one_batch(eval_data, "fit's eval_data")
     num_steps, epochs, eval_every = fit_arguments(num_steps, epochs, eval_data, eval_every)
+    if eval_data is not None and self._used_up(eval_data):
+      raise ValueError(
+          "eval_data is a one-shot iterator that an earlier evaluation of this Trainer used up:"
+          " fit would fail at its evaluation, after training. Pass a new iterator, or a"
+          " re-iterable (a list, or a dataset whose __iter__ starts over).")
     callbacks = checked_callbacks(callbacks)
     history = History()
     evaluation_dropped_before = self._stager.dropped_ids_of("evaluation")
@@ -847,10 +856,16 @@ class Trainer:
 
   # --- evaluation -----------------------------------------------------------------
 
+  def _used_up(self, data: Iterable[Any]) -> bool:
+    """Whether `data` is a one-shot iterator that a recent evaluate or predict iterated."""
+    return any(used is data for used in self._used_one_shot)
+
   def _prepared(self, data: Iterable[Any], use: BatchUse) -> Iterator[DeviceBatch]:
     """The staged batches of `data` (evaluate or predict), built on the first one."""
     check_iterable(data, f"the {use} data")
     check_not_one_batch(data, f"the {use} data")
+    if is_one_shot(data) and not self._used_up(data):
+      self._used_one_shot.append(data)
     with Prefetcher(iter(data), lambda raw, index: self._stager.stage(raw, use, index).batch,
                     depth=self.config.prefetch_depth,
                     workers=self.config.prefetch_workers) as prefetcher:

@@ -242,3 +242,17 @@ def test_evaluate_and_predict_name_a_prediction_without_a_row_per_sample():
     trainer.evaluate(batches)
   with pytest.raises(ValueError, match="predict " + message):
     trainer.predict(batches)
+
+
+def test_a_one_shot_eval_data_used_up_by_an_earlier_evaluation_is_refused_before_training():
+  """A second fit given the same generator as eval_data trained, then failed at the end
+  with "evaluate got no batches"."""
+  train, held_out = make_batches(4, seed=120), make_batches(2, seed=121)
+  trainer = make_trainer(eval_metrics=())
+  eval_data = iter(held_out)
+  assert trainer.fit(train, num_steps=2, eval_data=eval_data).evaluations[0][0] == 2
+  with pytest.raises(ValueError, match="eval_data is a one-shot iterator that an earlier"
+                                       " evaluation of this Trainer used up"):
+    trainer.fit(train, eval_data=eval_data)
+  assert int(trainer.state.step) == 2  # refused before any training
+  assert trainer.fit(train, eval_data=iter(held_out)).final_step == 4
