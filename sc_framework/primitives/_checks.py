@@ -264,6 +264,7 @@ def _check_dtypes(stack, sparse: StackBatch, what: str) -> None:
 def _signature_differences(got: StackSignature, want: StackSignature) -> list[str]:
   """What differs between a batch's signature and the plan's, "<what> <got> vs <want>"."""
   out = []
+  explained = False  # what a batch_size counts, said at the first that differs
 
   def differ(what, a, b):
     if a != b:
@@ -281,6 +282,10 @@ def _signature_differences(got: StackSignature, want: StackSignature) -> list[st
     for name in [name for name in a_rows if name in b_rows]:
       for column, x, y in zip(columns, a_rows[name], b_rows[name]):
         differ(f"{kind} {name!r} {column}", x, y)
+        if column == "batch_size" and x != y and not explained:
+          out[-1] += (" (a batch_size counts stacked samples: the batch, times L for a"
+                      " sequence feature)")
+          explained = True
   differ("combiner", got.combiner, want.combiner)
   differ("sequence features", list(got.sequence_features), list(want.sequence_features))
   return out
@@ -300,8 +305,6 @@ def _check_signature(plan: EmbeddingPlan, stack, sparse: StackBatch, what: str) 
     return
   differences = _signature_differences(got, want) or [f"{got!r} (batch) vs {want!r} (plan)"]
   shown = differences[:8] + ([f"and {len(differences) - 8} more"] if len(differences) > 8 else [])
-  if any(" batch_size " in difference for difference in shown):
-    shown[-1] += " (a batch_size counts stacked samples: the batch, times L for a sequence feature)"
   raise ValueError(
       f"{what}[{stack.name!r}] was preprocessed for another layout than the plan's stack"
       f" {stack.name!r} (tables {list(stack.table_names)}): " + "; ".join(shown) + "."
