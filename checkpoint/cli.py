@@ -186,26 +186,34 @@ def _compact(args: argparse.Namespace) -> int:
   return 0
 
 
-def _target(args: argparse.Namespace, reader: CheckpointReader):
-  flags = (
+def _layout_flags_given(args: argparse.Namespace) -> bool:
+  return (
       args.num_devices is not None or args.shards_per_device is not None or args.groups is not None
   )
-  if args.unstacked:
-    if flags or args.layout:
-      raise ValueError(
-          "--unstacked takes no --layout, --num-devices, --shards-per-device or --groups."
-      )
-    return "unstacked"
+
+
+def _convert_usage_error(args: argparse.Namespace) -> str | None:
+  """What is wrong with convert's flags taken together (None: nothing), before any I/O."""
+  layout_flags = _layout_flags_given(args)
+  if args.unstacked and (layout_flags or args.layout):
+    return "--unstacked takes no --layout, --num-devices, --shards-per-device or --groups"
   recoded = args.table_dtype is not None or args.compression or args.checksum
-  if not flags and not args.layout and recoded:
-    # The dtype or chunk encoding only.
-    return reader.layout if reader.layout is not None else "unstacked"
-  if not flags and not args.layout:
-    raise ValueError(
+  if not (args.unstacked or layout_flags or args.layout or recoded):
+    return (
         "choose a target: --layout FILE, --num-devices/--shards-per-device/--groups,"
         " --unstacked, or --table-dtype, --compression or --checksum alone (the source's"
-        " layout in another dtype or encoding)."
+        " layout in another dtype or encoding)"
     )
+  return None
+
+
+def _target(args: argparse.Namespace, reader: CheckpointReader):
+  """The target layout of convert (or "unstacked"); its flags were checked by main."""
+  if args.unstacked:
+    return "unstacked"
+  if not _layout_flags_given(args) and not args.layout:
+    # The dtype or chunk encoding only.
+    return reader.layout if reader.layout is not None else "unstacked"
   base = reader.layout
   if args.layout:
     path = as_path(args.layout, "--layout")
@@ -379,6 +387,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser = _parser()
   try:
     args = parser.parse_args(argv)
+    if args.command == "convert" and (usage := _convert_usage_error(args)):
+      parser.error(f"convert: {usage}")
   except SystemExit as exit_:
     return int(exit_.code or 0)
   try:

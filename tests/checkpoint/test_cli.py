@@ -177,11 +177,6 @@ def test_convert_changes_the_table_dtype_rounding_to_nearest(saved, tmp_path):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["convert", "{src}", "{tmp}/x"], "choose a target"),
-        (
-            ["convert", "{src}", "{tmp}/x", "--unstacked", "--num-devices", "2"],
-            "--unstacked takes no",
-        ),
         (["convert", "{tmp}/nowhere", "{tmp}/x", "--unstacked"], "does not exist"),
         (["convert", "{src}", "{src}", "--unstacked"],
          "already exists; choose another destination or pass --overwrite"),
@@ -240,6 +235,12 @@ def test_errors_exit_non_zero_with_a_message(saved, tmp_path, capsys, argv, mess
     (["convert", "a", "b", "--shards-per-device", "two"],
      "argument --shards-per-device: expected an integer, got 'two'"),
     (["convert", "a", "b", "--num-dev", "2"], "unrecognized arguments: --num-dev 2"),
+    # Flags that exclude each other, or no target: usage errors too, found before
+    # the source is read (it need not exist).
+    (["convert", "a", "b"], "convert: choose a target: --layout FILE"),
+    (["convert", "a", "b", "--unstacked", "--num-devices", "2"],
+     "convert: --unstacked takes no --layout, --num-devices"),
+    (["convert", "a", "b", "--unstacked", "--layout", "l.json"], "--unstacked takes no"),
 ])
 def test_bad_flags_give_one_line_naming_the_flag(argv, message, capsys):
   assert main(argv) == 2
