@@ -108,10 +108,12 @@ class FTRL(OptimizerSpec):
       linear = slots["linear"] + grads - (root_new - root_old) / divisor * rows
       threshold = self.l1
       quadratic = (self.beta + root_new) / divisor + 2.0 * self.l2
+    # Tested as |z| <= threshold, so a NaN z (from a NaN gradient) gives a NaN weight,
+    # as in every other rule, not a weight of 0 that hides it.
     new_rows = jnp.where(
-        jnp.abs(linear) > threshold,
-        (jnp.sign(linear) * threshold - linear) / quadratic,
+        jnp.abs(linear) <= threshold,
         jnp.zeros_like(linear),
+        (jnp.sign(linear) * threshold - linear) / quadratic,
     )
     if not self.multiply_linear_by_learning_rate:
       skip = lr == 0

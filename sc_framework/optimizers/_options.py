@@ -24,7 +24,9 @@ neither decayed nor clipped in that step. Steps 1 and 2 see the summed row
 gradient, so a row looked up twice in a batch is clipped once, on its sum.
 Step 5 applies to the table's logical columns only (the padding columns of a
 stacked row keep their content). With every option at its default all five
-steps reduce to the rule itself.
+steps reduce to the rule itself. A NaN or infinite gradient entry is not
+filtered by any step: the values it updates become non-finite (a check of the
+tables finds it), in every built-in rule.
 """
 
 from __future__ import annotations
@@ -114,29 +116,50 @@ def clip_gradients(
 ) -> jax.Array:
   """Steps 1 and 2 of the module docstring on a block of summed row gradients [K, D']."""
   if row_clipnorm is not None:
-    wide = grads.astype(jnp.float32)
-    squared = jnp.sum(wide * wide, axis=1, keepdims=True)
-    norm = jax.lax.cond(jnp.any(jnp.isinf(squared)), _norm_without_overflow,
-                        lambda wide, squared: jnp.sqrt(squared), wide, squared)
-    # c / max(||g||, c) is min(1, c / ||g||) and never divides by zero.
-    grads = (wide * (row_clipnorm / jnp.maximum(norm, row_clipnorm))).astype(grads.dtype)
+    grads = _clip_by_row_norm(grads.astype(jnp.float32), row_clipnorm).astype(grads.dtype)
   if clipvalue is not None:
     grads = jnp.clip(grads, *clipvalue)
   return grads
 
 
-def _norm_without_overflow(wide: jax.Array, squared: jax.Array) -> jax.Array:
-  """Row norms where ||g||^2 overflows float32 though ||g|| may not (a row of 2e19s).
+def _clip_by_row_norm(wide: jax.Array, clipnorm: float) -> jax.Array:
+  """g * min(1, c / ||g||) per row: g * (c / max(||g||, c)), which never divides by zero.
 
-  m * ||g / m||, m = max |g|, for such rows of finite entries; sqrt(squared)
-  elsewhere, so other rows keep their bits, and a row holding an inf keeps
-  its infinite norm. Run only when some row overflows.
+  Where that form fails in float32 -- ||g||^2 overflows (a row of 2e19s), or
+  c / ||g|| is below the smallest normal float32 (||g|| = 1e38 with c = 1),
+  which the CPU flushes to zero -- a row of finite entries is scaled first by
+  a power of two 2^-e, e the exponent of its largest entry (exact):
+  g * min(1, c / ||g||) = m * (c / ||m||) with m = g * 2^-e and ||m|| in
+  [0.5, sqrt(D')], when ||g|| > c. That runs only when some row needs it, and
+  only those rows take it, so the others keep their bits. A row holding an inf
+  or a NaN keeps the plain form (its non-finite entries stay non-finite).
   """
+  squared = jnp.sum(wide * wide, axis=1, keepdims=True)
+  scale = clipnorm / jnp.maximum(jnp.sqrt(squared), clipnorm)
+  needs_rescale = jnp.isinf(squared) | (scale < jnp.finfo(jnp.float32).tiny)
+  return jax.lax.cond(
+      jnp.any(needs_rescale),
+      lambda: jnp.where(needs_rescale, _clip_rescaled(wide, clipnorm), wide * scale),
+      lambda: wide * scale,
+  )
+
+
+def _clip_rescaled(wide: jax.Array, clipnorm: float) -> jax.Array:
+  """`_clip_by_row_norm` for rows whose ||g||^2 or c / ||g|| leaves float32's range."""
   largest = jnp.max(jnp.abs(wide), axis=1, keepdims=True)
-  rescale = jnp.isinf(squared) & jnp.isfinite(largest)
-  safe = jnp.where(rescale & (largest > 0), largest, 1.0)
-  scaled = largest * jnp.sqrt(jnp.sum(jnp.square(wide / safe), axis=1, keepdims=True))
-  return jnp.where(rescale, scaled, jnp.sqrt(squared))
+  finite = jnp.isfinite(largest) & (largest > 0)
+  _, exponent = jnp.frexp(jnp.where(finite, largest, 1.0))
+  # 2^-e as two factors 2^-h, 2^-(e - h): each a normal float32 for any exponent of a
+  # float32 (2^-e alone is subnormal for e > 126, and flushed to zero).
+  half = exponent // 2
+  mantissas = wide * jnp.ldexp(1.0, -half) * jnp.ldexp(1.0, half - exponent)
+  mantissa_norm = jnp.sqrt(jnp.sum(mantissas * mantissas, axis=1, keepdims=True))
+  # ||g|| = ||m|| * 2^e: inf where beyond float32, which compares as above c, rightly.
+  norm = mantissa_norm * jnp.ldexp(1.0, half) * jnp.ldexp(1.0, exponent - half)
+  clipped = mantissas * (clipnorm / jnp.where(finite, mantissa_norm, 1.0))
+  plain = wide * (clipnorm / jnp.maximum(jnp.sqrt(jnp.sum(wide * wide, axis=1, keepdims=True)),
+                                         clipnorm))
+  return jnp.where(finite, jnp.where(norm > clipnorm, clipped, wide), plain)
 
 
 def decay_and_clip_weights(

@@ -120,9 +120,10 @@ struct FtrlStep {
     slot[1][d] = z;
     const float quadratic = (beta + root_new) / divisor + l2_term;
     // Both sides computed, then selected: a branch-free loop (|z| > threshold >= 0
-    // implies z != 0, so copysign gives sign(z) * threshold).
+    // implies z != 0, so copysign gives sign(z) * threshold). Tested as
+    // |z| <= threshold, so a NaN z gives a NaN weight, not a 0 that hides it.
     const float shrunk = (std::copysign(threshold, z) - z) / quadratic;
-    return std::fabs(z) > threshold ? shrunk : 0.0f;
+    return std::fabs(z) <= threshold ? 0.0f : shrunk;
   }
 };
 

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "_cpu_kernels_common.h"
@@ -52,23 +53,30 @@ inline float SquaredNorm(const float* g, int64_t dim) {
 
 // Steps 1 and 2 of the options, where options.clips_gradients: g <- clip(g *
 // min(1, c / ||g||), lo, hi), written into `scratch` (g may already be
-// `scratch`). Returns the clipped g.
+// `scratch`). Returns the clipped g. The scale is c / max(||g||, c) in float32;
+// where that leaves float32's range -- ||g||^2 overflows (a row of 2e19s), or
+// c / ||g|| is below the smallest normal float32 (||g|| = 1e38 with c = 1),
+// which the CPU flushes to zero -- the norm and the scaling run in double.
 inline const float* ClipGradient(const float* g, float* scratch, int64_t dim,
                                  const RowOptions& options) {
-  const bool by_norm = std::isfinite(options.row_clipnorm);
-  float scale = 1.0f;
-  if (by_norm) {
+  if (std::isfinite(options.row_clipnorm)) {
     const float squared = SquaredNorm(g, dim);
-    float norm = std::sqrt(squared);
-    if (std::isinf(squared)) {  // ||g||^2 beyond float32 while ||g|| may be finite: in double
+    const float scale = options.row_clipnorm / std::max(std::sqrt(squared), options.row_clipnorm);
+    if (std::isinf(squared) || scale < std::numeric_limits<float>::min()) {
       double wide = 0.0;
       for (int64_t d = 0; d < dim; ++d) wide += static_cast<double>(g[d]) * g[d];
-      norm = static_cast<float>(std::sqrt(wide));
+      const double clipnorm = options.row_clipnorm;
+      const double wide_scale = clipnorm / std::max(std::sqrt(wide), clipnorm);
+      for (int64_t d = 0; d < dim; ++d) {
+        scratch[d] = static_cast<float>(g[d] * wide_scale);
+      }
+    } else {
+      for (int64_t d = 0; d < dim; ++d) scratch[d] = g[d] * scale;
     }
-    scale = options.row_clipnorm / std::max(norm, options.row_clipnorm);
+    g = scratch;
   }
   for (int64_t d = 0; d < dim; ++d) {
-    scratch[d] = std::min(std::max(g[d] * scale, options.clip_lo), options.clip_hi);
+    scratch[d] = std::min(std::max(g[d], options.clip_lo), options.clip_hi);
   }
   return scratch;
 }

@@ -810,11 +810,17 @@ def test_the_bias_corrections_keep_a_single_update_to_a_few_ulps(spec_of, beta2)
 
 
 @pytest.mark.parametrize("backend", ["xla"] + (["cpu"] if cpu_kernels_available() else []))
-@pytest.mark.parametrize("scale", [1e3, 2e19, 1e30])
-def test_row_clipnorm_clips_rows_whose_squared_norm_overflows_float32(backend, scale):
+@pytest.mark.parametrize("scale, clipnorm, lr", [
+    (1e3, 1.0, 0.5), (2e19, 1.0, 0.5), (1e30, 1.0, 0.5),
+    # c / ||g|| below the smallest normal float32, which the CPU flushes to zero: the
+    # step was dropped (C++ kernels), or the row was not clipped at all (XLA).
+    (1e38, 1.0, 0.5), (3e38, 1.0, 0.5), (1e10, 1e-30, 1e30),
+])
+def test_row_clipnorm_clips_rows_whose_squared_norm_overflows_float32(backend, scale, clipnorm,
+                                                                      lr):
   """||g||^2 of a row of 2e19s overflows float32 though ||g|| does not: c / inf = 0 dropped
   the step silently. Every row must move by lr * c * g / ||g||."""
-  table = TableSpec("t", 24, 8, optimizer=SGD(0.5, row_clipnorm=1.0))
+  table = TableSpec("t", 24, 8, optimizer=SGD(lr, row_clipnorm=clipnorm))
   feature = FeatureSpec("f", table, (8, 1))
   plan = EmbeddingPlan.create([feature])  # on every device
   rng = np.random.default_rng(int(scale) % 1000)
@@ -827,10 +833,38 @@ def test_row_clipnorm_clips_rows_whose_squared_norm_overflows_float32(backend, s
                                     {"f": jnp.asarray(grads, jnp.float32)}, 0, backend=backend)
   after = _logical_state(plan, after, table.optimizer)[0]["t"]
   wide = grads.astype(np.float32).astype(np.float64)
-  step = 0.5 * wide / np.linalg.norm(wide, axis=1, keepdims=True)  # every norm is above c = 1
+  assert np.all(np.linalg.norm(wide, axis=1) > clipnorm)  # every row is clipped
+  step = lr * clipnorm * wide / np.linalg.norm(wide, axis=1, keepdims=True)
   expected = before.astype(np.float64).copy()
   expected[ids[:, 0]] -= step
   assert_close(after, expected, terms=8)
+
+
+@pytest.mark.parametrize("backend", ["xla"] + (["cpu"] if cpu_kernels_available() else []))
+@pytest.mark.parametrize("optimizer", [
+    SGD(0.1), Adagrad(0.1), RowWiseAdagrad(0.1), Adam(0.1),
+    # l1 so large that every finite linear term is zeroed: a NaN one was zeroed too.
+    FTRL(0.1, l1=100.0), FTRL(0.1, l1=100.0, multiply_linear_by_learning_rate=True),
+], ids=["sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl", "ftrl_multiply_linear"])
+def test_a_nan_gradient_makes_the_values_it_updates_nan_in_every_rule(backend, optimizer):
+  """FTRL wrote a clean 0 for a NaN gradient (|NaN| > l1 is false) while its slots held NaN:
+  the table passed an isfinite check and the weight stayed 0 for good."""
+  table = TableSpec("t", 24, 8, optimizer=optimizer)
+  feature = FeatureSpec("f", table, (8, 1))
+  plan = EmbeddingPlan.create([feature])
+  ids = np.arange(8).reshape(8, 1) * 3
+  grads = np.random.default_rng(2).normal(size=(8, 8)).astype(np.float32)
+  grads[0, 2] = np.nan
+  variables = init_embedding_variables(plan, jax.random.key(4))
+  before = _logical_state(plan, variables, optimizer)[0]["t"]
+  batch, _ = preprocess({"f": ids}, [feature], plan.layout)
+  after = apply_embedding_gradients(plan, variables, batch, {"f": jnp.asarray(grads)}, 0,
+                                    backend=backend)
+  after = _logical_state(plan, after, optimizer)[0]["t"]
+  assert np.isnan(after[0, 2])
+  untouched = np.setdiff1d(np.arange(24), ids[:, 0])
+  assert_same_bits(after[untouched], before[untouched])
+  assert np.isfinite(after[ids[1:, 0]]).all()  # the other rows of the batch
 
 
 @pytest.mark.parametrize("backend", ["xla"] + (["cpu"] if cpu_kernels_available() else []))
