@@ -251,6 +251,10 @@ def resolve_learning_rate(learning_rate: LearningRate, step: jax.Array,
     except Exception as error:
       error.add_note(f"(in {owner}'s learning-rate schedule, called with the step: the number"
                      " of updates applied so far, an integer scalar)")
+      if isinstance(error, jax.errors.ConcretizationTypeError):  # a Python `if step < ...`
+        error.add_note("The step is a traced array inside the jitted update, so the schedule"
+                       " cannot branch on it in Python: use jnp.where(step < n, a, b) or an"
+                       " optax schedule (optax.linear_schedule, optax.join_schedules).")
       raise
     if rate.shape != ():
       raise ValueError(
@@ -321,8 +325,12 @@ def check_range(
   if high is not None:
     ok &= value <= high if high_inclusive else value < high
   if not ok:
-    left = "[" if low_inclusive else "("
-    right = "]" if high_inclusive else ")"
-    lo = "-inf" if low is None else repr(low)
-    hi = "inf" if high is None else repr(high)
-    raise ValueError(f"{owner}: {name} must be in {left}{lo}, {hi}{right}, got {value!r}.")
+    if low is not None and high is not None:
+      left = "[" if low_inclusive else "("
+      right = "]" if high_inclusive else ")"
+      allowed = f"in {left}{low!r}, {high!r}{right}"
+    elif low is not None:
+      allowed = f"a finite number {'>=' if low_inclusive else '>'} {low!r}"
+    else:
+      allowed = f"a finite number {'<=' if high_inclusive else '<'} {high!r}"
+    raise ValueError(f"{owner}: {name} must be {allowed}, got {value!r}.")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -82,7 +82,21 @@ class CustomOptimizer(OptimizerSpec):
     return self.slot_specs
 
   def update_rule(self, rows, grads, slots, step, row_dims):
-    new_rows, new_slots = self.update_fn(rows, grads, dict(slots), step)
+    returned = self.update_fn(rows, grads, dict(slots), step)
+    if not isinstance(returned, (tuple, list)) or len(returned) != 2:
+      got = (f"{len(returned)} values" if isinstance(returned, (tuple, list))
+             else f"a {type(returned).__name__}")
+      raise ValueError(
+          f"CustomOptimizer {self.name!r}: update_fn returned {got}; it must return the pair"
+          " (new_rows, new_slots), new_slots a dict of the declared slots ({} for none)."
+      )
+    new_rows, new_slots = returned
+    if not isinstance(new_slots, Mapping):
+      raise ValueError(
+          f"CustomOptimizer {self.name!r}: update_fn returned new_slots as a"
+          f" {type(new_slots).__name__}; it must be a dict of the declared slots"
+          f" {sorted(slots)} ({{}} for none)."
+      )
     if set(new_slots) != set(slots):
       raise ValueError(
           f"CustomOptimizer {self.name!r}: update_fn returned slots {sorted(new_slots)}"

@@ -7,8 +7,10 @@ stack, tables keep the order in which the user first gave them.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Sequence
+from typing import Any
 
 from sc_framework._renamed import SHARDS_RENAMED, refusing_renamed_keywords
 from sc_framework._scalars import python_scalar
@@ -53,7 +55,24 @@ def _check_stackable(first: TableSpec, other: TableSpec, where: str) -> None:
       " same padded dimension, optimizer and combiner, got"
       f" (D'={round_up(first.embedding_dim, 8)}, {first.optimizer}, {first.combiner!r}) and"
       f" (D'={round_up(other.embedding_dim, 8)}, {other.optimizer}, {other.combiner!r})."
+      f"{_functions_hint(first.optimizer, other.optimizer)}"
       " Stack only tables with equal keys (auto_stack_tables does)."
+  )
+
+
+def _functions_hint(first: Any, other: Any) -> str:
+  """Why two optimizers equal but for their functions (schedules, update_fn) differ."""
+  if type(first) is not type(other) or not dataclasses.is_dataclass(first) or first == other:
+    return ""
+  differing = [field.name for field in dataclasses.fields(first)
+               if getattr(first, field.name) != getattr(other, field.name)]
+  if not all(callable(getattr(first, name)) and callable(getattr(other, name))
+             for name in differing):
+    return ""
+  return (
+      f" Their optimizers differ only in {', '.join(differing)}: functions compare by"
+      " identity, so two equal lambdas differ. Give both tables the same function (define it"
+      " once) or the same optimizer object."
   )
 
 

@@ -345,6 +345,19 @@ def test_non_numeric_hyperparameter_rejected(factory, field, value):
     factory(**{field: value})
 
 
+@pytest.mark.parametrize("make, message", [
+    (lambda: Adagrad(eps=-1), "Adagrad: eps must be a finite number >= 0.0, got -1."),
+    (lambda: FTRL(learning_rate_power=1),
+     "FTRL: learning_rate_power must be a finite number <= 0.0, got 1."),
+    (lambda: Adam(beta1=1.5), "Adam: beta1 must be in [0.0, 1.0), got 1.5."),
+])
+def test_a_range_with_one_bound_is_named_as_finite(make, message):
+  """The message said [0.0, inf], while inf itself is refused as not finite."""
+  with pytest.raises(ValueError) as raised:
+    make()
+  assert str(raised.value) == message
+
+
 def test_callable_learning_rate_accepted():
   for factory in ALL_BUILTIN:
     optimizer = factory(learning_rate=lambda step: 0.1)
@@ -542,6 +555,21 @@ def test_custom_optimizer_refuses_rows_of_another_shape_or_a_narrower_dtype(retu
     spec.apply(jnp.asarray(rows), jnp.asarray(grads), {}, jnp.asarray(0), jnp.full((5,), 8))
 
 
+@pytest.mark.parametrize("update_fn, message", [
+    (lambda r, g, s, t: (r - g, s, t), "update_fn returned 3 values; it must return the pair"),
+    (lambda r, g, s, t: r - g, "update_fn returned a ArrayImpl|update_fn returned a .*Tracer"),
+    (lambda r, g, s, t: (r - g, None), "update_fn returned new_slots as a NoneType; it must be a"),
+], ids=["three", "rows_alone", "slots_none"])
+def test_custom_optimizer_names_a_return_that_is_not_rows_and_slots(update_fn, message):
+  """Three values gave Python's bare 'too many values to unpack (expected 2)'."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  spec = CustomOptimizer("bad", update_fn)
+  rows, grads = _rows_and_grads()
+  with pytest.raises(ValueError, match=r"CustomOptimizer 'bad': (" + message + ")"):
+    spec.apply(jnp.asarray(rows), jnp.asarray(grads), {}, jnp.asarray(0), jnp.full((5,), 8))
+
+
 def test_custom_optimizer_refuses_a_slot_of_another_shape_and_accepts_a_wider_float():
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
@@ -564,6 +592,20 @@ def test_a_schedule_must_return_one_rate_per_step():
   rows, grads = _rows_and_grads()
   with pytest.raises(ValueError, match=r"SGD: the learning-rate schedule returned shape \(5, 1\)"):
     spec.apply(jnp.asarray(rows), jnp.asarray(grads), {}, jnp.asarray(0), jnp.full((5,), 8))
+
+
+def test_a_schedule_that_branches_on_the_step_in_python_is_told_to_use_jnp_where():
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  spec = SGD(lambda step: 0.1 if step < 10 else 0.01)
+  rows, grads = _rows_and_grads()
+  apply = jax.jit(lambda step: spec.apply(jnp.asarray(rows), jnp.asarray(grads), {}, step,
+                                          jnp.full((5,), 8)))
+  with pytest.raises(jax.errors.ConcretizationTypeError) as raised:
+    apply(jnp.asarray(3))
+  notes = " ".join(getattr(raised.value, "__notes__", []))
+  assert "in SGD's learning-rate schedule" in notes and "jnp.where(step < n, a, b)" in notes
 
 
 def _plan_with(optimizer):

@@ -568,6 +568,24 @@ def test_stack_tables_errors(groups, culprit):
     stack_tables(_features(a, b, c, d, e), groups, num_devices=2)
 
 
+def test_tables_whose_optimizers_differ_only_in_equal_schedules_are_told_why():
+  """Two Adagrad(lambda s: 0.1) differ (functions compare by identity): the message listed
+  two function reprs and no reason."""
+  a = TableSpec("a", 10, 8, optimizer=Adagrad(lambda step: 0.1))
+  b = TableSpec("b", 10, 8, optimizer=Adagrad(lambda step: 0.1))
+  with pytest.raises(ValueError, match=_match(
+      "tables 'a' and 'b' cannot share a stack", "differ only in learning_rate: functions compare"
+      " by identity", "the same function (define it once) or the same optimizer object")):
+    stack_tables(_features(a, b), [["a", "b"]], num_devices=1)
+  schedule = lambda step: 0.1  # noqa: E731
+  c, d = (TableSpec(name, 10, 8, optimizer=Adagrad(schedule)) for name in "cd")
+  assert stack_tables(_features(c, d), [["c", "d"]], num_devices=1).stack_names == ("c__d",)
+  e = TableSpec("e", 10, 8, optimizer=Adagrad(schedule, eps=1e-3))  # another reason
+  with pytest.raises(ValueError) as raised:
+    stack_tables(_features(c, e), [["c", "e"]], num_devices=1)
+  assert "differ only" not in str(raised.value)
+
+
 @pytest.mark.parametrize("function", [auto_stack_tables, unstacked_layout])
 @pytest.mark.parametrize(
     "num_devices, shards_per_device, culprit",
