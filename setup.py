@@ -42,7 +42,9 @@ _CPU_KERNEL_SOURCES = dict(
 # over square roots and selects of quotients vectorise. No contraction of
 # a * b + c into a fused multiply-add: results are unchanged (no
 # reassociation, unlike -ffast-math), and the same in both builds below.
-_CPU_KERNEL_FLAGS = ["-O3", "-std=c++17", "-fno-math-errno", "-fno-trapping-math",
+# -g0 overrides the -g of Python's own flags: debug information was 90% of the
+# installed modules' size (5.2 MB of the kernels' 5.6 MB).
+_CPU_KERNEL_FLAGS = ["-O3", "-g0", "-std=c++17", "-fno-math-errno", "-fno-trapping-math",
                      "-ffp-contract=off", "-Wall", "-Wextra"]
 
 
@@ -79,7 +81,7 @@ setup(
                 "sc_framework/preprocessing/_host_kernels_rank_kept.h",
                 "sc_framework/preprocessing/_host_kernels_sort.h",
             ],
-            extra_compile_args=["-O3", "-std=c++17", "-Wall", "-Wextra"],
+            extra_compile_args=["-O3", "-g0", "-std=c++17", "-Wall", "-Wextra"],
             language="c++",
             optional=True,
         ),

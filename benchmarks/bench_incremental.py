@@ -42,7 +42,9 @@ import time
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+# The repository root after site-packages: an installed sc-framework (with its built
+# kernels) comes first; a checkout without an install runs from its sources.
+sys.path.append(REPO)
 
 from benchmarks._common import (  # noqa: E402
     default_to_host_devices,

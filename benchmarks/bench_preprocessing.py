@@ -32,7 +32,9 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The repository root after site-packages: an installed sc-framework (with its built
+# kernels) comes first; a checkout without an install runs from its sources.
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._common import parse_args, print_table, time_interleaved, time_median, write_json  # noqa: E402
 from sc_framework import FeatureSpec, TableSpec, auto_stack_tables  # noqa: E402

@@ -66,7 +66,9 @@ import concurrent.futures
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The repository root after site-packages: an installed sc-framework (with its built
+# kernels) comes first; a checkout without an install runs from its sources.
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

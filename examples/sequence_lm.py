@@ -359,5 +359,7 @@ def main(argv=None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  # The repository root after site-packages: an installed sc-framework (with its built
+  # kernels) comes first; a checkout without an install runs from its sources.
+  sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   main()

@@ -91,7 +91,8 @@ def _warn_portable_on_cpu() -> None:
       " updates on CPU use the portable XLA ops, whose row gathers, scatters and segment sums"
       " are slower than the multi-threaded C++ kernels. To build the kernels, install a C++17"
       " compiler (e.g. `apt-get install g++` or Xcode's command line tools), then reinstall"
-      " the package (`pip install -e .` in the repository).",
+      " the package from its source: `pip install -e .` in a checkout, or `pip install"
+      " --force-reinstall --no-deps --no-binary sc-framework sc-framework`.",
       PortableCpuBackendWarning,
       stacklevel=3,
   )
@@ -180,8 +181,10 @@ def get_backend(name: str | EmbeddingBackend, plan: EmbeddingPlan) -> EmbeddingB
       built = "do not work with this jax/jaxlib" if _kernels_built() else "are not built"
       raise ValueError(
           f"embedding backend 'cpu' is not installed here: it needs the C++ CPU kernels, which"
-          f" {built}. Reinstall the package with a C++17 compiler available (`pip install -e"
-          " .` in the repository), or use backend='xla' (the portable ops, slower on CPU)."
+          f" {built}. Reinstall the package from its source with a C++17 compiler available"
+          " (`pip install -e .` in a checkout, or `pip install --force-reinstall --no-deps"
+          " --no-binary sc-framework sc-framework`), or use backend='xla' (the portable ops,"
+          " slower on CPU)."
       )
     raise ValueError(
         f"embedding backend {backend.name!r} is not installed here; installed:"
