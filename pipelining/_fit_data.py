@@ -81,7 +81,9 @@ class FitData:
       can_continue: whether the state is still the one the last fit left
         (no newer checkpoint to resume); if not, nothing is continued.
       position: (after an interruption) -> the data position to start at
-        ({} is the beginning; keys as `DataStream`'s arguments).
+        ({} is the beginning; keys as `DataStream`'s arguments, and
+        "batch_in_flight": whether the state resumed holds a batch whose update is
+        still to run, which makes a position at the end of the data "stop").
       at_end: `DataStream`'s, for a position at the end of the data.
 
     What the last fit handed on stays until `consume`: a fit whose
@@ -106,6 +108,10 @@ class FitData:
       stream, remainder = carry.stream, carry.remainder
     else:
       start = position(after_interruption)
+      if start.get("batch_in_flight"):
+        # The run is not complete at the end of its data: its last batch's update is
+        # still to run, and the run ends after it (as it would have, uninterrupted).
+        at_end = "stop"
       stream = DataStream(
           train_data, epochs=epochs,
           batches_consumed=start.get("batches_consumed", 0),

@@ -769,12 +769,15 @@ class Trainer:
 
   def _data_position(self, after_interruption: bool) -> dict[str, Any]:
     """Where fit's data starts: in the checkpoint fit resumes (newer than the state), or
-    where the state left it after an interruption, or at 0."""
+    where the state left it after an interruption, or at 0. With "batch_in_flight": True
+    where that state holds a batch whose update is still to run (pipelined)."""
     step = self._resume_step()
     if step is not None:
-      return own_position(self._checkpoints.read_data_state(step))
+      meta = self._checkpoints.read_meta(step)
+      return {**own_position(meta.get("data") or {}),
+              "batch_in_flight": bool(meta.get("has_in_flight"))}
     if after_interruption and self._loop is not None:
-      return dict(self._loop.data)
+      return {**self._loop.data, "batch_in_flight": self._loop.in_flight is not None}
     return {}
 
   def _resume_step(self) -> int | None:

@@ -215,6 +215,33 @@ def test_a_fit_that_reached_num_steps_resumes_like_one_run(tmp_path, pipelining,
   assert_same_run(second, reference)
 
 
+@pytest.mark.parametrize("more_steps", [1, 3])
+def test_a_checkpoint_whose_batch_in_flight_is_the_datas_last_resumes_to_the_datas_end(
+    tmp_path, more_steps):
+  """fit(num_steps=3) on 4 batches, pipelined: step 3's checkpoint holds batch 3 in flight
+  at the data's end. A new Trainer's fit(num_steps=3 + more_steps) started the data over
+  (batch 0 looked up before update 4), where the run drains batch 3 and ends at step 4,
+  as one fit, or the same Trainer's next fit, does; its dropped ids counted batch 0 too."""
+  batches = make_batches(4, seed=84)
+  first = make_trainer(tmp_path / "run", True)
+  stopped = first.fit(batches, num_steps=3)
+  assert first.latest_checkpoint_step() == 3
+  assert first._checkpoints.read_meta(3)["has_in_flight"]
+  resumed = make_trainer(tmp_path / "run", True)
+  history = resumed.fit(batches, num_steps=3 + more_steps)
+  assert history.resumed_from == 3 and history.final_step == 4
+  meta = resumed._checkpoints.read_meta(4)
+  assert not meta["has_in_flight"] and meta["data"]["batches_consumed"] == 4
+  reference = make_trainer(tmp_path / "reference", True)
+  whole = reference.fit(batches)
+  assert_same_run(resumed, reference)
+  assert stopped.dropped_ids + history.dropped_ids == whole.dropped_ids
+  # Both go on alike: the next fit starts the data over, from a drained pipeline.
+  resumed.fit(batches, num_steps=6)
+  reference.fit(batches, num_steps=6)
+  assert_same_run(resumed, reference)
+
+
 def test_num_steps_below_the_resumed_step_warns_that_nothing_is_trained(tmp_path, caplog):
   batches = make_batches(4, seed=83)
   make_trainer(tmp_path, False).fit(batches)
