@@ -88,14 +88,18 @@ class _TablesAtEachStep(Callback):
 
 
 def test_a_synchronous_resume_of_a_pipelined_checkpoint_saves_deltas_of_every_update(tmp_path):
-  """The resumed batch in flight is applied first, with the checkpoint's data position,
-  while the new stream (started over) numbers its batches from 0: a rule that told applied
-  batches by their stream positions dropped those batches' rows from the next deltas."""
+  """The resumed batch in flight (the data's last) is applied first, with the checkpoint's
+  data position; the next fit starts the data over, numbering its batches from 0: a rule
+  that told applied batches by their stream positions dropped those batches' rows from the
+  next deltas."""
   batches = make_batches(6, seed=132)
   policy = ck.IncrementalPolicy(full_every=100, max_delta_share=1.0)
   seen = _TablesAtEachStep()
   make_trainer(tmp_path, True, policy).fit(batches, num_steps=5, callbacks=[seen])
-  make_trainer(tmp_path, False, policy).fit(batches, num_steps=9, callbacks=[seen])
+  resumed = make_trainer(tmp_path, False, policy)
+  # The run ends with the data, after its batch in flight, as it would have uninterrupted.
+  assert resumed.fit(batches, num_steps=9, callbacks=[seen]).final_step == 6
+  assert resumed.fit(batches, num_steps=9, callbacks=[seen]).final_step == 9
   assert sorted(seen.tables) == list(range(1, 10))
   for step in range(6, 10):
     assert ck.inspect(tmp_path / "checkpoints" / str(step))["embedding"]["chain"][-1][
