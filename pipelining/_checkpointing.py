@@ -215,9 +215,6 @@ class TrainerCheckpoints:
       )
     return meta
 
-  def read_data_state(self, step: int) -> dict[str, Any]:
-    return self.read_meta(step).get("data") or {}
-
   def save(
       self,
       step: int,

@@ -85,7 +85,7 @@ class CustomOptimizer(OptimizerSpec):
     returned = self.update_fn(rows, grads, dict(slots), step)
     if not isinstance(returned, (tuple, list)) or len(returned) != 2:
       got = (f"{len(returned)} values" if isinstance(returned, (tuple, list))
-             else f"a {type(returned).__name__}")
+             else f"a single value ({type(returned).__name__})")
       raise ValueError(
           f"CustomOptimizer {self.name!r}: update_fn returned {got}; it must return the pair"
           " (new_rows, new_slots), new_slots a dict of the declared slots ({} for none)."

@@ -137,15 +137,17 @@ def _clip_by_row_norm(wide: jax.Array, clipnorm: float) -> jax.Array:
   squared = jnp.sum(wide * wide, axis=1, keepdims=True)
   scale = clipnorm / jnp.maximum(jnp.sqrt(squared), clipnorm)
   needs_rescale = jnp.isinf(squared) | (scale < jnp.finfo(jnp.float32).tiny)
+  plain = wide * scale
   return jax.lax.cond(
       jnp.any(needs_rescale),
-      lambda: jnp.where(needs_rescale, _clip_rescaled(wide, clipnorm), wide * scale),
-      lambda: wide * scale,
+      lambda: jnp.where(needs_rescale, _clip_rescaled(wide, clipnorm, plain), plain),
+      lambda: plain,
   )
 
 
-def _clip_rescaled(wide: jax.Array, clipnorm: float) -> jax.Array:
-  """`_clip_by_row_norm` for rows whose ||g||^2 or c / ||g|| leaves float32's range."""
+def _clip_rescaled(wide: jax.Array, clipnorm: float, plain: jax.Array) -> jax.Array:
+  """`_clip_by_row_norm` for rows whose ||g||^2 or c / ||g|| leaves float32's range;
+  `plain` (g * c / max(||g||, c)) for rows holding an inf or a NaN."""
   largest = jnp.max(jnp.abs(wide), axis=1, keepdims=True)
   finite = jnp.isfinite(largest) & (largest > 0)
   _, exponent = jnp.frexp(jnp.where(finite, largest, 1.0))
@@ -157,8 +159,6 @@ def _clip_rescaled(wide: jax.Array, clipnorm: float) -> jax.Array:
   # ||g|| = ||m|| * 2^e: inf where beyond float32, which compares as above c, rightly.
   norm = mantissa_norm * jnp.ldexp(1.0, half) * jnp.ldexp(1.0, exponent - half)
   clipped = mantissas * (clipnorm / jnp.where(finite, mantissa_norm, 1.0))
-  plain = wide * (clipnorm / jnp.maximum(jnp.sqrt(jnp.sum(wide * wide, axis=1, keepdims=True)),
-                                         clipnorm))
   return jnp.where(finite, jnp.where(norm > clipnorm, clipped, wide), plain)
 
 

@@ -59,24 +59,22 @@ inline float SquaredNorm(const float* g, int64_t dim) {
 // which the CPU flushes to zero -- the norm and the scaling run in double.
 inline const float* ClipGradient(const float* g, float* scratch, int64_t dim,
                                  const RowOptions& options) {
+  float scale = 1.0f;
   if (std::isfinite(options.row_clipnorm)) {
     const float squared = SquaredNorm(g, dim);
-    const float scale = options.row_clipnorm / std::max(std::sqrt(squared), options.row_clipnorm);
+    scale = options.row_clipnorm / std::max(std::sqrt(squared), options.row_clipnorm);
     if (std::isinf(squared) || scale < std::numeric_limits<float>::min()) {
       double wide = 0.0;
       for (int64_t d = 0; d < dim; ++d) wide += static_cast<double>(g[d]) * g[d];
       const double clipnorm = options.row_clipnorm;
       const double wide_scale = clipnorm / std::max(std::sqrt(wide), clipnorm);
-      for (int64_t d = 0; d < dim; ++d) {
-        scratch[d] = static_cast<float>(g[d] * wide_scale);
-      }
-    } else {
-      for (int64_t d = 0; d < dim; ++d) scratch[d] = g[d] * scale;
+      for (int64_t d = 0; d < dim; ++d) scratch[d] = static_cast<float>(g[d] * wide_scale);
+      g = scratch;
+      scale = 1.0f;
     }
-    g = scratch;
   }
   for (int64_t d = 0; d < dim; ++d) {
-    scratch[d] = std::min(std::max(g[d], options.clip_lo), options.clip_hi);
+    scratch[d] = std::min(std::max(g[d] * scale, options.clip_lo), options.clip_hi);
   }
   return scratch;
 }

@@ -66,8 +66,8 @@ def _functions_hint(first: Any, other: Any) -> str:
     return ""
   differing = [field.name for field in dataclasses.fields(first)
                if getattr(first, field.name) != getattr(other, field.name)]
-  if not all(callable(getattr(first, name)) and callable(getattr(other, name))
-             for name in differing):
+  if not differing or not all(callable(getattr(first, name)) and callable(getattr(other, name))
+                             for name in differing):
     return ""
   return (
       f" Their optimizers differ only in {', '.join(differing)}: functions compare by"

@@ -190,7 +190,7 @@ def test_a_nonfinite_batch_is_recorded_as_skipped(tmp_path, pipelining, caplog):
   assert [skip["batch"] for skip in history.skipped_batches] == [2]
   assert any("not applied because their loss was not finite" in r.message for r in caplog.records)
   # The record stays in later checkpoints.
-  assert resumed._checkpoints.read_data_state(NUM_BATCHES - 1)["skipped"][0]["batch"] == 2
+  assert resumed._checkpoints.read_meta(NUM_BATCHES - 1)["data"]["skipped"][0]["batch"] == 2
   if not pipelining:
     # Synchronous steps are independent of the skipped batch's timing: the
     # run equals one that never saw it.
@@ -221,8 +221,8 @@ def test_the_trainer_that_raised_reports_the_skipped_batch_as_a_resume_does(tmp_
   assert [skip["batch"] for skip in history.skipped_batches] == [2]
   assert continued.skipped_batches == history.skipped_batches == [info.value.skipped]
   final = NUM_BATCHES - 1
-  assert (trainer._checkpoints.read_data_state(final)["skipped"]
-          == resumed._checkpoints.read_data_state(final)["skipped"])
+  assert (trainer._checkpoints.read_meta(final)["data"]["skipped"]
+          == resumed._checkpoints.read_meta(final)["data"]["skipped"])
   assert_states(logical_state(trainer), logical_state(resumed), same_layout=True)
 
 

@@ -179,7 +179,7 @@ def test_num_steps_is_exact_with_a_batch_in_flight(tmp_path):
   # Batch 4 was looked up before update 4, as in a run that goes on: it is in
   # flight, and the checkpoint of step 4 counts it as consumed.
   assert trainer._loop.in_flight is not None
-  assert trainer._checkpoints.read_data_state(4)["batches_consumed"] == 5
+  assert trainer._checkpoints.read_meta(4)["data"]["batches_consumed"] == 5
   resumed = make_trainer(tmp_path, True)
   assert resumed.fit(batches).resumed_from == 4
   reference = make_trainer(None, True)
