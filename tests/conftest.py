@@ -64,6 +64,19 @@ _XLA_CACHE = tempfile.mkdtemp(prefix="sc-framework-tests-xla-cache-")
 atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
 
 import jax  # noqa: E402  (after the flags above)
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# Property tests judge their inputs, not the machine's speed: no deadline per
+# example and no health check timed against the wall clock, which a loaded
+# machine (a worker per core, other jobs) can fail. The active profile's other
+# settings are kept (Hypothesis's "ci" profile where CI is set), and
+# --hypothesis-profile still chooses another. A test's own settings that list
+# health checks to suppress must name too_slow too: theirs replace this list.
+settings.register_profile(
+    "sc_framework_tests",
+    settings(settings.default, deadline=None,
+             suppress_health_check=[*settings.default.suppress_health_check, HealthCheck.too_slow]))
+settings.load_profile("sc_framework_tests")
 
 jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

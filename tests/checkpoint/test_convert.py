@@ -80,7 +80,8 @@ _LAYOUTS = st.tuples(
 
 
 @settings(
-    max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=10, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 @given(source=_LAYOUTS, target=st.one_of(_LAYOUTS, st.just("unstacked")), seed=st.integers(0, 99))
 def test_strided_assembly_equals_the_tables_and_the_row_by_row_path(

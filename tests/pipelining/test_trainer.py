@@ -489,7 +489,11 @@ def test_malloc_mode_changes_only_when_asked(monkeypatch, host_memory, calls):
 
 
 def test_backend_is_a_value_the_trainer_uses(monkeypatch):
-  """A backend passed as a value runs every lookup and update; the same program as 'xla'."""
+  """A backend passed as a value runs every lookup and update.
+
+  It has no stacked forms, so its activations are joined from the features' and
+  its gradients split into them: another program than 'xla', equal up to the
+  order of its sums."""
   from sc_framework.primitives import XLA_BACKEND, EmbeddingBackend
 
   calls = []
@@ -512,7 +516,8 @@ def test_backend_is_a_value_the_trainer_uses(monkeypatch):
     results.append(logical_tables(trainer))
   assert "lookup" in calls and "update" in calls  # traced into the compiled steps
   for name in results[0]:
-    assert_same_bits(results[0][name], results[1][name], err_msg=name)
+    assert_close(results[0][name], results[1][name], terms=TERMS, steps=len(batches),
+                 err_msg=name)
   with pytest.raises(ValueError, match="unknown embedding backend 'nope'"):
     Trainer(LinearHead(), make_specs(SGD(SPARSE_LR)), mse, optax.sgd(DENSE_LR),
             mesh=mesh_of(1), progress="off", backend="nope")
