@@ -178,6 +178,7 @@ def walk_chain(item: epath.PathLike, *,
     if not (current / MANIFEST_FILE).exists():
       if needed_by is None:
         raise BrokenChainError(f"{current} holds no complete embedding item ({MANIFEST_FILE}).")
+      _raise_if_damaged(needed_by)
       raise BrokenChainError(
           f"step {current.parent.name} is missing or incomplete ({current} has no"
           f" {MANIFEST_FILE}), but delta step {needed_by.parent.name} needs it: its chain is"
@@ -187,7 +188,11 @@ def walk_chain(item: epath.PathLike, *,
       )
     data = read_item_manifest(current)
     if needed_by is not None and check_ids:
-      _check_parent_id(current, _save_id(current, data), links[-1][1], needed_by)
+      try:
+        _check_parent_id(current, _save_id(current, data), links[-1][1], needed_by)
+      except BrokenChainError:
+        _raise_if_damaged(needed_by)
+        raise
     manifest = _delta_manifest(current, data)
     links.append((current, manifest))
     if manifest is None:
@@ -197,11 +202,34 @@ def walk_chain(item: epath.PathLike, *,
     if parent.parent.name in seen or (
         current.parent.name.isdigit() and manifest.parent_step >= int(current.parent.name)
     ):
+      _raise_if_damaged(current)
       raise BrokenChainError(
           f"delta step {current.parent.name} names parent step {manifest.parent_step}, which is"
           " not an earlier step; the chain is damaged."
       )
     current, needed_by = parent, current
+
+
+def _raise_if_damaged(delta_item: epath.Path) -> None:
+  """Raises BrokenChainError naming the damaged files of a delta item whose chain broke.
+
+  A delta's manifest names its parent step: edited or swapped, it sends the
+  chain to a step that is missing or holds another save. Where the delta's
+  step has an integrity manifest, its files are checked (sizes, and the
+  checksums of the small ones such as manifest.json) before the missing or
+  replaced parent is blamed. A no-op where they check or nothing records them.
+  """
+  step = delta_item.parent
+  if not (step / _integrity.INTEGRITY_FILE).exists():
+    return
+  problems = _integrity.errors(
+      _integrity.check_step(step, depth="structure", items=[delta_item.name]))
+  if problems:
+    raise BrokenChainError(
+        f"the delta chain of step {step.name} cannot be followed: its item {delta_item} failed its"
+        f" integrity check ({_integrity.summarize(problems)}); its manifest names the step"
+        " before it. Restore another complete step, or copy this one again from a good source."
+    )
 
 
 def _check_parent_id(parent: epath.Path, found: str | None, delta: DeltaManifest,

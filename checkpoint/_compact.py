@@ -58,6 +58,8 @@ def compact(step_dir: epath.PathLike, *, progress: ConversionProgress | None = N
 
   Raises:
     NotACheckpointError: `step_dir` holds no embedding item.
+    CorruptCheckpointError: a file of the step's embedding item is damaged or
+      missing (against the step's integrity manifest).
     BrokenChainError: a link of its chain is missing or damaged.
   """
   step_dir = _storage.as_path(step_dir, "compact step directory")
@@ -68,6 +70,11 @@ def compact(step_dir: epath.PathLike, *, progress: ConversionProgress | None = N
         f"{step_dir} is not an Orbax step directory holding one embedding item; compact takes a"
         " step directory (root/<step>)."
     )
+  if (step_dir / _integrity.INTEGRITY_FILE).exists():
+    # Whether the item is a delta is read from its manifest: a damaged one must not
+    # answer "already full" (a full conversion checks every file as it reads).
+    _integrity.raise_for(_integrity.check_step(step_dir, depth="structure", items=[item.name]),
+                         f"checkpoint step {step_dir.name} ({step_dir})")
   reader = open_reader(item)
   if not isinstance(reader, ChainReader):
     return False

@@ -189,6 +189,38 @@ def test_an_edited_earlier_delta_is_caught_by_restore_verify_and_the_fallback(tm
   assert any("2/embedding/manifest.json" in str(p.path) for p in problems if p.severity == "error")
 
 
+@pytest.mark.filterwarnings("ignore:checkpoint step .* is skipped:RuntimeWarning")
+def test_an_edited_parent_that_does_not_exist_names_the_edited_manifest(tmp_path):
+  """A delta edited to name a step that is not there: every reader names the damaged
+  manifest.json, not the missing step (which never held this chain's base)."""
+  _, layout, delta_root, _, _ = _train_side_by_side(tmp_path, 2, steps=5)
+  _edit_parent(delta_root, 2, 0)  # step 2's parent was 1
+  shutil.rmtree(delta_root / "0")
+  damaged = r"(?s)delta chain of step 2 cannot be followed.*2/embedding/manifest\.json"
+  with ck.CheckpointManager(delta_root, read_only=True) as mngr:
+    with pytest.raises(ck.BrokenChainError, match=damaged):
+      mngr.restore(4, ck.EmbeddingRestore(layout, make_mesh(2), AXIS))
+  for call in (lambda: ck.inspect(delta_root / "4"), lambda: compact(delta_root / "4"),
+               lambda: ck.convert(delta_root / "4", tmp_path / "out", "unstacked")):
+    with pytest.raises(ck.BrokenChainError, match=damaged):
+      call()
+  assert not (tmp_path / "out").exists()
+
+
+def test_compact_of_a_step_whose_manifest_was_swapped_for_a_full_ones_is_refused(tmp_path):
+  """Whether a step is a delta is read from its manifest: a full step's manifest
+  copied over a delta's is damage, not an "already full" step."""
+  _, _, delta_root, _, _ = _train_side_by_side(tmp_path, 2, steps=3)
+  delta, full = delta_root / "2" / "embedding", delta_root / "0" / "embedding"
+  assert ck.inspect(delta_root / "2")["embedding"]["chain"][-1]["kind"] == "delta"
+  shutil.copyfile(full / "manifest.json", delta / "manifest.json")
+  before = sorted(str(p.relative_to(delta_root)) for p in delta_root.rglob("*"))
+  with pytest.raises(ck.CorruptCheckpointError, match=r"2/embedding/manifest\.json"):
+    compact(delta_root / "2")
+  assert cli.main(["compact", str(delta_root / "2"), "--quiet"]) == 1
+  assert sorted(str(p.relative_to(delta_root)) for p in delta_root.rglob("*")) == before
+
+
 def test_verify_of_a_step_follows_its_chain(tmp_path):
   _, _, delta_root, _, _ = _train_side_by_side(tmp_path, 2, steps=4)
   assert not [p for p in ck.verify(delta_root / "3") if p.severity == "error"]
