@@ -62,6 +62,7 @@ from checkpoint._incremental import (
     IncrementalSaves,
     SaveKind,
 )
+from checkpoint._orbax_metrics import stop_raw_byte_queries
 from checkpoint._rows_tracker import UpdatedRows
 from checkpoint._steps import remove_unfinished_saves
 
@@ -140,6 +141,7 @@ class CheckpointManager:
       raise ValueError(
           f"embedding_item {embedding_item!r} is reserved by Orbax; pick another name."
       )
+    stop_raw_byte_queries()  # Orbax's metrics query leaks on every save (_orbax_metrics)
     self._embedding_item = embedding_item
     self._directory = _storage.as_path(directory, "CheckpointManager directory")
     if not self._directory.is_absolute():  # Orbax needs absolute paths with several processes
