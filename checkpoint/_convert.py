@@ -246,7 +246,8 @@ def convert(
                      table_dtype, save_id)
     (tmp / _IN_PROGRESS_MARKER).unlink()
     if out != tmp:
-      _integrity.write_manifest(tmp)  # The converted step is complete.
+      # The converted step is complete; it is the step its destination names.
+      _integrity.write_manifest(tmp, step=_integrity.step_of(dst))
   except BaseException:
     tmp.rmtree(missing_ok=True)
     raise

@@ -3,9 +3,19 @@
 A step directory written by `CheckpointManager` holds `integrity.json`:
 
   {"format": "sc_framework.step_integrity", "format_version": 2,
+   "step": the step number the directory was written as (absent where the
+           directory's name gives none),
    "files": {relative path: {"size": bytes, "crc32c": int, "tail": int}
                           | {"size": bytes, "zarr_crc32c": true, "trailer": int}},
    "digest": CRC32C of the canonical JSON of "files"}
+
+"step" ties the files to their place in the root: a step directory named
+`<n>` whose manifest records another step (two steps' directories swapped by
+a botched rename, copy or sync, or one's integrity.json replaced by
+another's) is refused as damaged, wherever it is read; files alone cannot
+tell one step's complete save from another's. A directory named otherwise
+(a conversion written outside any root) is not compared, and manifests
+written before the field was recorded are read as before.
 
 A file's "crc32c" is the CRC32C of its bytes before the last 4 and "tail"
 those 4 bytes (little endian); a file under 4 bytes has the CRC32C of all of
@@ -63,6 +73,9 @@ _READABLE_FORMAT_VERSIONS = (1, 2)  # 1: whole-file CRC32Cs (see the module doc)
 # Written or rewritten by Orbax's commit after the manifest; never read as data.
 ORBAX_STEP_METADATA = "_CHECKPOINT_METADATA"  # Orbax's step metadata: items, their handlers
 COMMIT_FILES = frozenset({ORBAX_STEP_METADATA, "commit_success.txt"})
+# The step a directory is written as: `<step>`, or one of the library's working names
+# for it (`<step>.orbax-checkpoint-tmp-<n>`, `<step>.compacting`, ...).
+_STEP_NAME = re.compile(r"^([0-9]+)(?:\.|$)")
 _READ_BYTES = 16 << 20
 _SMALL_FILE = 1 << 20
 # Files of a cloud step sized, read or checksummed at once: a step has one file per
@@ -264,23 +277,32 @@ def _concurrently(step_dir: epath.Path, fn: Callable, items: list) -> list:
     return list(pool.map(fn, items))
 
 
-def manifest_json(files: dict[str, FileEntry]) -> str:
+def step_of(directory: epath.PathLike) -> int | None:
+  """The step number a directory's name gives (`<step>` or `<step>.<suffix>`), or None."""
+  match = _STEP_NAME.match(epath.Path(directory).name)
+  return None if match is None else int(match.group(1))
+
+
+def manifest_json(files: dict[str, FileEntry], *, step: int | None) -> str:
   entries = {rel: _entry_to_dict(entry) for rel, entry in sorted(files.items())}
-  return json.dumps(
-      {
-          "format": INTEGRITY_FORMAT_NAME,
-          "format_version": INTEGRITY_FORMAT_VERSION,
-          "files": entries,
-          "digest": _digest(entries),
-      },
-      indent=0,
-      sort_keys=True,
-  )
+  manifest: dict[str, Any] = {
+      "format": INTEGRITY_FORMAT_NAME,
+      "format_version": INTEGRITY_FORMAT_VERSION,
+      "files": entries,
+      "digest": _digest(entries),
+  }
+  if step is not None:
+    manifest["step"] = step
+  return json.dumps(manifest, indent=0, sort_keys=True)
 
 
-def write_manifest(step_dir: epath.Path) -> None:
-  """Writes integrity.json into a step directory whose items are all written."""
-  (step_dir / INTEGRITY_FILE).write_text(manifest_json(build_manifest(step_dir)))
+def write_manifest(step_dir: epath.Path, *, step: int | None) -> None:
+  """Writes integrity.json into a step directory whose items are all written.
+
+  `step`: the step number the directory holds (see the module doc), None
+  for a directory that is no step of a root.
+  """
+  (step_dir / INTEGRITY_FILE).write_text(manifest_json(build_manifest(step_dir), step=step))
 
 
 def read_manifest(step_dir: epath.Path) -> dict[str, FileEntry]:
@@ -314,11 +336,25 @@ def read_manifest(step_dir: epath.Path) -> dict[str, FileEntry]:
           + ("; a newer version wrote it: upgrade sc-framework to read it" if newer else ""))
     if data.get("digest") != _digest(entries):
       raise ValueError("its digest does not match its entries")
-    return {rel: _entry_from_dict(entry) for rel, entry in entries.items()}
+    recorded = data.get("step")
+    if recorded is not None and (isinstance(recorded, bool) or not isinstance(recorded, int)
+                                 or recorded < 0):
+      raise ValueError(f"its step {recorded!r} is not a step number")
+    files = {rel: _entry_from_dict(entry) for rel, entry in entries.items()}
   except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
     if storage_failure(error) is not None:
       raise read_error(error, f"reading {path} failed", advice) from error
     raise CorruptCheckpointError(f"{path} is unreadable or damaged ({error}).{advice}") from error
+  named = int(step_dir.name) if step_dir.name.isdecimal() and step_dir.name.isascii() else None
+  if recorded is not None and named is not None and recorded != named:
+    raise CorruptCheckpointError(
+        f"{path} is the integrity manifest of step {recorded}, but its directory is step"
+        f" {named}: the step directories were renamed or swapped (a botched rename, copy or"
+        f" sync), or this step's {INTEGRITY_FILE} was replaced by step {recorded}'s. Its files"
+        f" are not read as step {named}'s. If the directory holds step {recorded}'s save, put"
+        f" it back under that number; otherwise restore another step, or copy step {named}"
+        " again from its source.")
+  return files
 
 
 def read_trailer(path: epath.Path) -> int | None:

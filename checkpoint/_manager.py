@@ -550,7 +550,8 @@ class CheckpointManager:
     step_dir = self._directory / str(step)
     if not step_dir.exists() and not _integrity.is_link(step_dir):
       return ""
-    return f" {step_dir} is not complete: {_steps.manifest_problem(step_dir) or 'unknown'}."
+    problem = _steps.manifest_problem(step_dir) or "unknown"
+    return f" {step_dir} is not complete: {problem.rstrip('.')}."
 
   def _composite(self, embedding, items, kinds) -> ocp.args.Composite:
     entries = dict(items or {})

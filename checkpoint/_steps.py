@@ -247,8 +247,10 @@ def committing_manifest(directory: epath.Path) -> type:
     async def finalize(self, *args, **kwargs):
       # Orbax also finalizes each item with this class: only the step itself
       # (a child of the root) gets the manifest, after all of its items.
-      if jax.process_index() == 0 and self.get_final().parent == directory:
-        await asyncio.to_thread(_integrity.write_manifest, self.get())
+      final = self.get_final()
+      if jax.process_index() == 0 and final.parent == directory:
+        await asyncio.to_thread(_integrity.write_manifest, self.get(),
+                                step=_integrity.step_of(final))
       await super().finalize(*args, **kwargs)
 
   WithIntegrityManifest.__name__ = f"{base.__name__}WithIntegrityManifest"

@@ -277,7 +277,7 @@ def adopt_step(step_dir: epath.PathLike) -> list[Problem]:
         problems.append(Problem("error", path, f"is not readable JSON ({error})"))
   problems.extend(_item_problems(step_dir))
   if not _integrity.errors(problems):
-    _integrity.write_manifest(step_dir)
+    _integrity.write_manifest(step_dir, step=int(step_dir.name))
   return problems
 
 

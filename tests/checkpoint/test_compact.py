@@ -8,6 +8,7 @@ a step that restores bit for bit as saved, with no leftover beside it.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import warnings
@@ -65,6 +66,9 @@ def saved(tmp_path_factory):
   shutil.copytree(base / "delta", base / "compacted")
   assert compact(base / "compacted" / str(STEP)) is True
   assert _is_full(base / "compacted" / str(STEP)) and not _is_full(base / "delta" / str(STEP))
+  # Written as <step>.compacting, it records the step it replaces.
+  integrity = json.loads((base / "compacted" / str(STEP) / "integrity.json").read_text())
+  assert integrity["step"] == STEP
   return base, states
 
 

@@ -630,7 +630,7 @@ def _strip_parent_ids(root, steps):
     manifest = json.loads(path.read_text())
     manifest.pop("parent_id", None)
     path.write_text(json.dumps(manifest))
-    integrity.write_manifest(epath.Path(root / str(step)))
+    integrity.write_manifest(epath.Path(root / str(step)), step=step)
 
 
 @pytest.mark.filterwarnings("ignore:checkpoint step .* is skipped:RuntimeWarning")
@@ -881,7 +881,7 @@ def test_a_chain_saved_before_save_ids_existed_restores_as_before(tmp_path):
     manifest = json.loads(path.read_text())
     assert manifest.pop("save_id") and (step == 0 or manifest.pop("parent_id"))
     path.write_text(json.dumps(manifest))
-    integrity.write_manifest(epath.Path(tmp_path / str(step)))
+    integrity.write_manifest(epath.Path(tmp_path / str(step)), step=step)
   for step in range(4):
     for name, table in states[step].items():
       assert_same_bits(_restored_tables(tmp_path, step).tables[name], table, err_msg=name)

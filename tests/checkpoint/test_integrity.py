@@ -455,11 +455,11 @@ def test_a_dense_item_orbax_never_merged_is_not_marked_complete_nor_listed(root)
   assert (dense / "manifest.ocdbt").exists() and list(dense.glob("ocdbt.process_*"))
   (dense / "manifest.ocdbt").unlink()
   with pytest.raises(ck.CorruptCheckpointError, match=r"never merged .*: dense\. It is not"):
-    _integrity.write_manifest(root / "2")
+    _integrity.write_manifest(root / "2", step=2)
   # A step listed so by an older version: an error, and the step is skipped.
   files = _integrity.read_manifest(root / "2")
   del files["dense/manifest.ocdbt"]
-  (root / "2" / _integrity.INTEGRITY_FILE).write_text(_integrity.manifest_json(files))
+  (root / "2" / _integrity.INTEGRITY_FILE).write_text(_integrity.manifest_json(files, step=2))
   problems = [p for p in ck.verify(root) if p.severity == "error"]
   assert [str(p.path) for p in problems] == [str(dense)], problems
   assert "never merged" in problems[0].message
@@ -627,3 +627,63 @@ def test_verify_names_a_link_in_place_of_a_commit_file(root, tmp_path):
   os.symlink(target, step / _integrity.ORBAX_STEP_METADATA)
   assert [(p.path, p.message) for p in _integrity.errors(ck.verify(step))] == [
       (step / _integrity.ORBAX_STEP_METADATA, "is a symbolic link; nothing is read through one")]
+
+
+@pytest.mark.filterwarnings("ignore:checkpoint step .* is skipped:RuntimeWarning")
+@pytest.mark.parametrize("swapped", ["the step directories", "their integrity.json"])
+def test_steps_whose_directories_or_manifests_were_swapped_are_not_read_as_each_other(
+    root, template, swapped, capsys):
+  """Each swapped step is a complete save whose files all match its manifest (a botched
+  rename or sync): restore, the handler, verify, convert and compact took step 1's
+  state as step 2's. The manifest records the step it was written as."""
+  assert [json.loads((root / str(step) / "integrity.json").read_text())["step"]
+          for step in (1, 2)] == [1, 2]
+  what = "" if swapped == "the step directories" else "integrity.json"
+  os.rename(root / "1" / what, root / "swap")
+  os.rename(root / "2" / what, root / "1" / what)
+  os.rename(root / "swap", root / "2" / what)
+  before = _files(root)
+  wrong = {step: f"{root / str(step) / 'integrity.json'} is the integrity manifest of step"
+                 f" {3 - step}, but its directory is step {step}" for step in (1, 2)}
+  errors = sorted(_integrity.errors(ck.verify(root)), key=lambda p: str(p.path))
+  assert [p.path for p in errors] == [root / step / "integrity.json" for step in ("1", "2")]
+  assert all(wrong[step] in p.message for step, p in zip((1, 2), errors)), errors
+  layout = template.layout
+  restore = ck.EmbeddingRestore(layout, make_mesh(layout.num_devices), AXIS)
+  with ck.CheckpointManager(root, read_only=True) as mngr:
+    for step in (1, 2):  # Neither is listed as a complete step.
+      with pytest.raises(ck.NotACheckpointError, match=re.escape(wrong[step])):
+        mngr.restore(step, restore)
+    assert mngr.latest_step() is None
+  with pytest.raises(ck.CorruptCheckpointError, match=re.escape(wrong[2])):
+    ck.EmbeddingCheckpointHandler().restore(root / "2" / "embedding", ck.TableRestore())
+  with pytest.raises(ck.CorruptCheckpointError, match=re.escape(wrong[2])):
+    ck.convert(root / "2", root.parent / "converted", "unstacked")
+  assert main(["compact", str(root / "2")]) == 1
+  assert wrong[2] in capsys.readouterr().err
+  assert main(["verify", str(root / "1")]) == 1
+  assert wrong[1] in capsys.readouterr().out
+  assert _files(root) == before and not (root.parent / "converted").exists()
+  # Put back under their own numbers, both steps are whole again.
+  os.rename(root / "1" / what, root / "swap")
+  os.rename(root / "2" / what, root / "1" / what)
+  os.rename(root / "swap", root / "2" / what)
+  with ck.CheckpointManager(root, read_only=True) as mngr:
+    for step in (1, 2):
+      restored = mngr.restore(step, restore)["embedding"]
+      assert_same_bits(restored.tables["a__b"], template.oracle[step]["tables"]["a__b"])
+
+
+def test_a_step_converted_or_adopted_records_the_step_its_directory_names(
+    root, tmp_path):
+  out = ck.convert(root / "2", tmp_path / "other" / "2", "unstacked").parent
+  assert json.loads((out / "integrity.json").read_text())["step"] == 2
+  outside = ck.convert(root / "2", tmp_path / "outside", "unstacked").parent
+  assert "step" not in json.loads((outside / "integrity.json").read_text())
+  assert _integrity.errors(_integrity.check_step(outside, depth="full")) == []
+  (root / "1" / "integrity.json").unlink()
+  assert main(["verify", "--adopt", str(root / "1")]) == 0
+  assert json.loads((root / "1" / "integrity.json").read_text())["step"] == 1
+  assert [_integrity.step_of(name) for name in (
+      "12", "12.compacting", "12.orbax-checkpoint-tmp-3", "best", "12b", "")] == [
+          12, 12, 12, None, None, None]
