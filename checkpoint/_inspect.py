@@ -4,6 +4,13 @@
 embedding item is found inside; the other items are listed) or a
 CheckpointManager root directory (its steps are listed and the latest one is
 described). The result is JSON-friendly; `format_description` renders it.
+
+What it describes is read from the item's JSON files, so those are checked
+first against the integrity manifest of the step holding them (sizes and
+checksums, as `verify_source` does at the structure depth), and the earlier
+steps of a delta chain likewise: a damaged step is refused, never described
+as saved. A step without an integrity manifest (written by an older
+version, or not yet adopted) and a bare item are described as they are.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from checkpoint._chain import ChainReader, chain_summary, open_reader, save_id_o
 from checkpoint import _integrity
 from checkpoint._integrity import is_link
 from checkpoint._optimizers import common_name
+from checkpoint._source import step_of_item, verify_source
 from checkpoint._steps import manifest_problem
 from checkpoint._storage import as_path
 
@@ -123,6 +131,7 @@ def inspect(path: epath.PathLike) -> dict[str, Any]:
   if not path.exists():
     raise NotACheckpointError(f"{path} does not exist.")
   if (path / MANIFEST_FILE).exists():
+    _check_step_holding(path, path)
     return describe_item(path)
   if not path.is_dir():
     raise NotACheckpointError(f"{path} is a file, not a checkpoint directory.")
@@ -130,7 +139,8 @@ def inspect(path: epath.PathLike) -> dict[str, Any]:
   children = [child for child in path.iterdir() if child.is_dir() and not is_link(child)]
   items = sorted(child.name for child in children if not child.name.startswith("."))
   embedding = [child for child in children if (child / MANIFEST_FILE).exists()]
-  if (path / _integrity.ORBAX_STEP_METADATA).exists() or embedding:
+  if _integrity.holds_a_save(path) or embedding:
+    _check_step_holding(path, embedding[0] if len(embedding) == 1 else None)
     out: dict[str, Any] = {"path": str(path), "step": _step_of(path), "items": items}
     if len(embedding) == 1:
       out["embedding_item"] = embedding[0].name
@@ -141,7 +151,7 @@ def inspect(path: epath.PathLike) -> dict[str, Any]:
       for child in children
       if _TMP_MARK not in child.name
       and (step := _step_of(child)) is not None
-      and (child / _integrity.ORBAX_STEP_METADATA).exists()
+      and _integrity.holds_a_save(child)
   }
   incomplete = {child: manifest_problem(child) for child in candidates}
   steps = sorted(step for child, step in candidates.items() if incomplete[child] is None)
@@ -149,7 +159,7 @@ def inspect(path: epath.PathLike) -> dict[str, Any]:
     skipped = "; ".join(f"{child}: {why}" for child, why in incomplete.items() if why)
     raise NotACheckpointError(
         f"{path} is not a checkpoint: no {MANIFEST_FILE} (embedding item), no Orbax step"
-        f" metadata and no complete step directories.{' Incomplete: ' + skipped if skipped else ''}"
+        f" metadata or {_integrity.INTEGRITY_FILE}, and no complete step directories.{' Incomplete: ' + skipped if skipped else ''}"
     )
   latest = next(
       child for child in children if _step_of(child) == steps[-1] and _TMP_MARK not in child.name
@@ -163,6 +173,16 @@ def inspect(path: epath.PathLike) -> dict[str, Any]:
       "incomplete": {child.name: why for child, why in sorted(incomplete.items()) if why},
       "latest": inspect(latest),
   }
+
+
+def _check_step_holding(src: epath.Path, item: epath.Path | None) -> None:
+  """Raises CorruptCheckpointError naming every damaged file when the step holding
+  `src` (a step, or embedding item `item` in one), or an earlier step of its delta
+  chain, fails its integrity manifest at the structure depth; see the module doc."""
+  step = src if item is None or item != src else step_of_item(item)
+  if step is not None and (is_link(step / _integrity.INTEGRITY_FILE)
+                           or (step / _integrity.INTEGRITY_FILE).exists()):
+    verify_source(src, item, depth="structure")
 
 
 def format_description(info: dict[str, Any]) -> str:

@@ -72,6 +72,33 @@ def test_inspect_item_step_and_root(saved, capsys):
   assert info["latest_step"] == 3 and info["latest"]["embedding"]["layout"]["num_devices"] == 8
 
 
+def test_inspect_refuses_a_step_whose_embedding_manifest_was_edited(saved, capsys):
+  """A valid JSON edit (a table's dtype) showed as saved, with exit 0; `verify` and
+  restore refused the step. The root lists the step as incomplete."""
+  _, _, root = saved
+  path = root / "3" / "embedding" / "manifest.json"
+  path.write_text(path.read_text().replace('"float32"', '"bfloat16"', 1))
+  for target in (root / "3", root / "3" / "embedding"):
+    assert main(["inspect", str(target)]) == 1
+    captured = capsys.readouterr()
+    assert not captured.out and f"{path}: has " in captured.err, captured.err
+  assert main(["inspect", str(root)]) == 1  # no complete step left
+  assert f"{path}: has " in capsys.readouterr().err
+
+
+def test_inspect_lists_a_step_that_lost_orbaxs_metadata_as_the_manager_does(saved, capsys):
+  """Orbax rewrites `_CHECKPOINT_METADATA` at its commit, and the integrity manifest does
+  not list it: the manager restores such a step. `inspect` called its root "not a
+  checkpoint" without naming the step."""
+  _, _, root = saved
+  (root / "3" / "_CHECKPOINT_METADATA").unlink()
+  with ck.CheckpointManager(root, read_only=True) as manager:
+    assert manager.all_steps() == [3]
+  for target in (root, root / "3"):
+    assert main(["inspect", str(target)]) == 0
+    assert "step 3 at" in capsys.readouterr().out
+
+
 def test_convert_with_flags_and_back(saved, tmp_path, capsys):
   model, layout, root = saved
   out = tmp_path / "two"

@@ -207,17 +207,24 @@ def test_an_edited_parent_that_does_not_exist_names_the_edited_manifest(tmp_path
   assert not (tmp_path / "out").exists()
 
 
-def test_compact_of_a_step_whose_manifest_was_swapped_for_a_full_ones_is_refused(tmp_path):
+@pytest.mark.parametrize("damage", ["swapped for a full step's", "deleted"])
+def test_compact_of_a_step_whose_manifest_was_swapped_or_lost_is_refused(tmp_path, damage,
+                                                                         capsys):
   """Whether a step is a delta is read from its manifest: a full step's manifest
-  copied over a delta's is damage, not an "already full" step."""
+  copied over a delta's is damage, not an "already full" step; a lost one is damage,
+  not a step without an embedding item (which reads as a usage error)."""
   _, _, delta_root, _, _ = _train_side_by_side(tmp_path, 2, steps=3)
   delta, full = delta_root / "2" / "embedding", delta_root / "0" / "embedding"
   assert ck.inspect(delta_root / "2")["embedding"]["chain"][-1]["kind"] == "delta"
-  shutil.copyfile(full / "manifest.json", delta / "manifest.json")
+  if damage == "deleted":
+    (delta / "manifest.json").unlink()
+  else:
+    shutil.copyfile(full / "manifest.json", delta / "manifest.json")
   before = sorted(str(p.relative_to(delta_root)) for p in delta_root.rglob("*"))
   with pytest.raises(ck.CorruptCheckpointError, match=r"2/embedding/manifest\.json"):
     compact(delta_root / "2")
   assert cli.main(["compact", str(delta_root / "2"), "--quiet"]) == 1
+  assert f"{delta / 'manifest.json'}: " in capsys.readouterr().err
   assert sorted(str(p.relative_to(delta_root)) for p in delta_root.rglob("*")) == before
 
 
