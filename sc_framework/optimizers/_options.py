@@ -99,6 +99,12 @@ def check_options(
         f"{owner}: multiply_weight_decay_factor_by_learning_rate must be a bool, got"
         f" {multiply_weight_decay_factor_by_learning_rate!r}."
     )
+  if multiply_weight_decay_factor_by_learning_rate and weight_decay_factor == 0:
+    raise ValueError(
+        f"{owner}: multiply_weight_decay_factor_by_learning_rate=True scales the weight decay"
+        " by the learning rate, but weight_decay_factor is 0 (no decay), so it would do"
+        " nothing. Set weight_decay_factor > 0 for decay, or drop the flag."
+    )
   for name, value in (("clip_weight_min", clip_weight_min), ("clip_weight_max", clip_weight_max)):
     if value is not None:
       _finite_number(owner, name, value)

@@ -194,12 +194,15 @@ def test_specs_are_hashable_frozen_and_equal_by_value(factory):
     ids=[f"{factory.__name__}-{field}" for factory, field, _ in _ALTERNATIVE_VALUES],
 )
 def test_specs_differ_when_a_hyperparameter_differs(factory, field, value):
-  base = factory()
+  # The flag scales a decay: without one it is refused.
+  other = ({"weight_decay_factor": 0.1}
+           if field == "multiply_weight_decay_factor_by_learning_rate" else {})
+  base = factory(**other)
   assert getattr(base, field) != value
-  changed = factory(**{field: value})
+  changed = factory(**other, **{field: value})
   assert changed != base
-  assert changed == factory(**{field: value})
-  assert hash(changed) == hash(factory(**{field: value}))
+  assert changed == factory(**other, **{field: value})
+  assert hash(changed) == hash(factory(**other, **{field: value}))
   assert len({base, changed}) == 2
 
 
@@ -435,6 +438,9 @@ def test_clipvalue_forms_are_normalised(given, stored):
         (dict(row_clipnorm=float("inf")), "SGD: row_clipnorm must be a finite number or None, got inf"),
         (dict(weight_decay_factor=-0.1), "SGD: weight_decay_factor must be a finite number >= 0 (0 for no decay), got -0.1"),
         (dict(weight_decay_factor=None), "SGD: weight_decay_factor must be a finite number"),
+        (dict(multiply_weight_decay_factor_by_learning_rate=True),
+         "SGD: multiply_weight_decay_factor_by_learning_rate=True scales the weight decay by the"
+         " learning rate, but weight_decay_factor is 0 (no decay)"),
         (dict(clip_weight_min=float("-inf")), "SGD: clip_weight_min must be a finite number or None, got -inf"),
         (dict(clip_weight_max=True), "SGD: clip_weight_max must be a finite number or None, got True"),
         (dict(clip_weight_min=1.0, clip_weight_max=0.5),
