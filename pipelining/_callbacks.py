@@ -10,7 +10,11 @@ class Callback:
   """Hooks called by `Trainer.fit`; every method is a no-op by default.
 
   Metrics are host floats. A callback may stop training early by calling
-  `trainer.request_stop()`.
+  `trainer.request_stop()`. Each hook is called on every callback, in order,
+  even when an earlier callback's raises: every callback sees every step,
+  evaluation and save that happened (a logger still records the step another
+  callback failed on). fit then raises the first error, the others attached
+  to it as notes.
   """
 
   def on_fit_start(self, trainer: Any, step: int) -> None:
@@ -27,7 +31,7 @@ class Callback:
 
   def on_fit_end(self, trainer: Any, history: Any) -> None:
     """When fit returns, also after an interruption or an error (history.final_step
-    counts the updates applied); every callback's runs even if another's raises."""
+    counts the updates applied)."""
 
 
 HOOKS = tuple(name for name in vars(Callback) if name.startswith("on_"))
@@ -56,14 +60,17 @@ def checked_callbacks(callbacks: Sequence[Callback]) -> tuple[Callback, ...]:
   return tuple(callbacks)
 
 
-def each_fit_end(callbacks: Sequence[Callback], trainer: Any, history: Any) -> None:
-  """Calls every callback's on_fit_end, also after one of them raised; then raises the
-  first such error (each callback may hold something to release at the end)."""
+def call_each(callbacks: Sequence[Callback], hook: str, *args: Any) -> None:
+  """Calls `hook(*args)` on every callback, also after one of them raised; then raises
+  the first such error, noting the others on it (see `Callback`)."""
   first_error = None
   for callback in callbacks:
     try:
-      callback.on_fit_end(trainer, history)
+      getattr(callback, hook)(*args)
     except BaseException as error:  # noqa: BLE001 - re-raised below
-      first_error = first_error or error
+      if first_error is None:
+        first_error = error
+      else:
+        first_error.add_note(f"{callback!r}.{hook} also raised {type(error).__name__}: {error}")
   if first_error is not None:
     raise first_error

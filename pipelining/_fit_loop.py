@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from pipelining._callbacks import Callback
+from pipelining._callbacks import Callback, call_each
 from pipelining._prefetch import Prepared
 from pipelining._progress import Progress
 from pipelining._steps import CompiledSteps, InFlight, TrainState
@@ -302,8 +302,7 @@ class StepEnd:
     self.history.metrics.append(host)
     self.progress.step(step, host)
     try:
-      for callback in self.callbacks:
-        callback.on_step_end(self.owner, step, host)
+      call_each(self.callbacks, "on_step_end", self.owner, step, host)
       if self.evaluate is not None and self.eval_every is not None and step % self.eval_every == 0:
         self.evaluation(step)
     finally:
@@ -334,8 +333,7 @@ class StepEnd:
     metrics = self.evaluate()
     self.history.evaluations.append((step, metrics))
     self.progress.record({"step": step, **{f"eval_{k}": v for k, v in metrics.items()}})
-    for callback in self.callbacks:
-      callback.on_eval_end(self.owner, step, metrics)
+    call_each(self.callbacks, "on_eval_end", self.owner, step, metrics)
 
   def _raise_nonfinite(self, state: LoopState, step: int, batch_index: int,
                        host: dict[str, float]) -> None:

@@ -32,7 +32,7 @@ from pipelining._batch_check import (
     check_labels_fit_predictions,
     check_not_one_batch,
 )
-from pipelining._callbacks import Callback, checked_callbacks, each_fit_end
+from pipelining._callbacks import Callback, call_each, checked_callbacks
 from pipelining._config import TrainerConfig, fit_arguments
 from pipelining._damage import DamagedStep, none_restores_error, one_shot_data_error
 from pipelining._data import is_one_shot, own_position, share_position
@@ -591,8 +591,7 @@ class Trainer:
       self._report_skipped(history)
       self._check_start(num_steps, epochs, eval_data, eval_every, history, stream.continued)
       progress = self._progress(num_steps, history.resumed_from)
-      for callback in callbacks:
-        callback.on_fit_start(self, int(self.state.step))
+      call_each(callbacks, "on_fit_start", self, int(self.state.step))
       end = self._step_end(history, progress, callbacks, eval_data, eval_every)
       def took(prepared: Prepared) -> None:
         history.dropped_ids += prepared.batch.dropped_ids
@@ -630,7 +629,7 @@ class Trainer:
           progress.close()
         if not history.final_step:  # fit raised: the steps it applied count
           history.final_step = _step_or_zero(self.state)
-        each_fit_end(callbacks, self, history)
+        call_each(callbacks, "on_fit_end", self, history)
       finally:
         restore_handlers(previous_handlers)
 
@@ -953,8 +952,7 @@ class Trainer:
         pipelining=self.config.pipelining,
     )
     if saved:  # Not again for a step saved already (the final save after a save_every one).
-      for callback in callbacks:
-        callback.on_save(self, step)
+      call_each(callbacks, "on_save", self, step)
     return saved
 
   def _saved_in_flight(self, state: LoopState) -> SavedInFlight | FeatureInFlight | None:

@@ -667,3 +667,35 @@ def test_on_fit_end_gets_the_steps_applied_and_runs_for_every_callback_when_one_
     trainer.fit(make_batches(5, seed=50), callbacks=[first, second])
   assert ends == [(first, 3), (second, 3)]
   assert int(trainer.state.step) == 3
+
+
+@pytest.mark.parametrize("hook", ["on_fit_start", "on_step_end", "on_eval_end", "on_save"])
+def test_every_callback_sees_the_event_another_callback_raised_on(hook, tmp_path):
+  """A callback that raised kept the later callbacks from that event (a logger lost the
+  step the fit stopped on). Each hook now runs on every callback; fit raises the first
+  error, with the others noted on it."""
+  trainer = Trainer(LinearHead(), make_specs(SGD(SPARSE_LR)), mse, optax.sgd(DENSE_LR),
+                    mesh=mesh_of(1), progress="off", padding_id=-1, eval_metrics=(),
+                    workdir=tmp_path / "run", save_every=1)
+  seen = []
+
+  class Record(Callback):
+    def __init__(self, name, raises):
+      self.name, self.raises = name, raises
+
+    def _event(self, *args):
+      step = args[1] if len(args) > 1 else None
+      seen.append((self.name, step))
+      if self.raises and step == (0 if hook == "on_fit_start" else 2):
+        raise ValueError(f"{self.name} failed at {step}")
+
+  for name in ("on_fit_start", "on_step_end", "on_eval_end", "on_save"):
+    setattr(Record, name, Record._event if name == hook else getattr(Callback, name))
+  first, second, third = Record("first", True), Record("second", False), Record("third", True)
+  with pytest.raises(ValueError, match="first failed") as error:
+    trainer.fit(make_batches(4, seed=51), callbacks=[first, second, third],
+                eval_data=make_batches(1, seed=52), eval_every=1)
+  stopped = 0 if hook == "on_fit_start" else 2
+  assert [name for name, step in seen if step == stopped] == ["first", "second", "third"]
+  assert max(step for _, step in seen) == stopped
+  assert any("third failed" in note for note in error.value.__notes__)
