@@ -147,12 +147,32 @@ def verify_item(item: epath.PathLike) -> None:
     item = step / item.name
   manifest = step / _integrity.INTEGRITY_FILE
   if not (_integrity.is_link(manifest) or manifest.exists()):
+    _integrity.raise_for(bare_item_problems(item, "items"), f"embedding item {item}")
     return
   what = f"checkpoint step {step.name} ({step})"
   _integrity.raise_for(_integrity.check_step(step, depth="items", items=[item.name]), what)
   _integrity.raise_for(
       chain_problems(item, "items"),
       f"the delta chain of checkpoint step {step.name} (its earlier steps; {step})")
+
+
+def bare_item_problems(item: epath.Path, depth: _integrity.Depth) -> list[_integrity.Problem]:
+  """The problems of a bare embedding item against its own integrity manifest.
+
+  `convert` writes an item outside any step (a bare item) with an
+  `integrity.json` of its own, the item directory taking the place of a
+  step's (see `checkpoint._integrity`; it records no step number): its files'
+  sizes and CRC32Cs, and each chunk's trailer, so that chunks swapped
+  within an array or taken from another item are refused although each
+  holds a valid checksum of its own, and chunks stored without checksums
+  are checked too. An item without one (written before bare items carried
+  it, or by Orbax's own `Checkpointer`) has nothing to be checked against:
+  [].
+  """
+  manifest = item / _integrity.INTEGRITY_FILE
+  if not (_integrity.is_link(manifest) or manifest.exists()):
+    return []
+  return _integrity.check_step(item, depth=depth)
 
 
 def walk_chain(item: epath.PathLike, *,

@@ -131,8 +131,10 @@ def convert(
   by size and CRC32C, chunks by size, their own CRC32C being checked as they
   are read); a step without a manifest is refused (`sc-checkpoint verify
   --adopt` gives it one), and files its manifest does not list are not
-  copied (a RuntimeWarning names them). A bare item (no step around it) has
-  only its chunks' checksums.
+  copied (a RuntimeWarning names them). A bare item (no step around it) is
+  checked against its own integrity manifest, which a bare output gets too
+  (one written before bare items carried one has only its chunks'
+  checksums).
 
   Args:
     src: the source checkpoint.
@@ -220,15 +222,6 @@ def convert(
   save_id = _converted_save_id(reader, src if item is None else item, table_dtype)
   if item is not None and item != src:
     _check_dependent_deltas(dst, item.name, _converted_states(reader, table_dtype), save_id)
-  elif storage.checksum == "none":
-    warnings.warn(
-        f"{dst} is written as an embedding item outside any step with checksum='none': nothing"
-        " will check its values when they are read (a step's integrity manifest checks a step's"
-        " files; a bare item has only its chunks' checksums). Keep the crc32c checksum, or"
-        " convert the whole step directory.",
-        RuntimeWarning,
-        stacklevel=2,
-    )
   tmp = _fresh_temporary_directory(dst)
   try:
     if item is not None and item != src:
@@ -245,9 +238,9 @@ def convert(
       _write_stacked(reader, out, target, storage, block_bytes, cache.max_bytes, progress,
                      table_dtype, save_id)
     (tmp / _IN_PROGRESS_MARKER).unlink()
-    if out != tmp:
-      # The converted step is complete; it is the step its destination names.
-      _integrity.write_manifest(tmp, step=_integrity.step_of(dst))
+    # The converted step is complete; it is the step its destination names. A
+    # bare item gets a manifest of its own (`_chain.bare_item_problems`).
+    _integrity.write_manifest(tmp, step=_integrity.step_of(dst) if out != tmp else None)
   except BaseException:
     tmp.rmtree(missing_ok=True)
     raise

@@ -9,8 +9,9 @@ What it describes is read from the item's JSON files, so those are checked
 first against the integrity manifest of the step holding them (sizes and
 checksums, as `verify_source` does at the structure depth), and the earlier
 steps of a delta chain likewise: a damaged step is refused, never described
-as saved. A step without an integrity manifest (written by an older
-version, or not yet adopted) and a bare item are described as they are.
+as saved; a bare item is checked against its own manifest. A step without
+an integrity manifest (written by an older version, or not yet adopted) is
+described as it is.
 """
 
 from __future__ import annotations
@@ -180,9 +181,9 @@ def _check_step_holding(src: epath.Path, item: epath.Path | None) -> None:
   `src` (a step, or embedding item `item` in one), or an earlier step of its delta
   chain, fails its integrity manifest at the structure depth; see the module doc."""
   step = src if item is None or item != src else step_of_item(item)
-  if step is not None and (is_link(step / _integrity.INTEGRITY_FILE)
-                           or (step / _integrity.INTEGRITY_FILE).exists()):
-    verify_source(src, item, depth="structure")
+  if step is None or is_link(step / _integrity.INTEGRITY_FILE) or (
+      step / _integrity.INTEGRITY_FILE).exists():
+    verify_source(src, item, depth="structure")  # a bare item: against its own manifest
 
 
 def format_description(info: dict[str, Any]) -> str:

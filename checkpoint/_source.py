@@ -11,8 +11,10 @@ the step that holds it (`_integrity.check_step`):
                            its parent holds integrity.json, or Orbax's
                            `_CHECKPOINT_METADATA`);
   src a bare item          (written by `convert` to a directory of its own)
-                           no manifest: its chunks' own CRC32C trailers are
-                           checked as they are read, as `verify` does;
+                           against its own manifest (`bare_item_problems`);
+                           one written before bare items carried one: its
+                           chunks' own CRC32C trailers, checked as they are
+                           read, as `verify` does;
   a delta item             also the embedding item of every earlier step of
                            its chain (base and earlier deltas), which the
                            conversion reads too: at depth 'full', every
@@ -37,7 +39,7 @@ from __future__ import annotations
 from etils import epath
 
 from checkpoint import _integrity
-from checkpoint._chain import chain_problems, walk_chain
+from checkpoint._chain import bare_item_problems, chain_problems, walk_chain
 from checkpoint._errors import NotACheckpointError
 from checkpoint._integrity import Depth, Problem
 
@@ -73,8 +75,10 @@ def verify_source(
     step, items = src, None
   else:
     step, items = step_of_item(item), [item.name]
-  if step is None:
-    return []  # A bare item: its chunks' checksums are checked as read.
+  if step is None:  # A bare item (a full one: convert writes no deltas).
+    problems = bare_item_problems(item, depth)
+    _integrity.raise_for(problems, f"the embedding item {item} being converted")
+    return [problem for problem in problems if problem.severity == "foreign"]
   problems = _check(step, items, depth)
   # The earlier steps must have manifests too (a replaced one is named after damaged ones).
   for link, _ in walk_chain(item, check_ids=False)[:-1]:

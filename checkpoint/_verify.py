@@ -23,7 +23,7 @@ import tensorstore as ts
 from etils import epath
 
 from checkpoint import _errors, _integrity, _storage
-from checkpoint._chain import chain_problems, check_chain_states, delta_manifest
+from checkpoint._chain import bare_item_problems, chain_problems, check_chain_states, delta_manifest
 from checkpoint._delta import IDS, DeltaItem, DeltaManifest
 from checkpoint._direct import chunk_file
 from checkpoint._errors import CheckpointError, CheckpointReadError
@@ -43,7 +43,8 @@ def verify(path: epath.PathLike) -> list[Problem]:
   An embedding item inside a step (full or delta) is checked against that
   step's integrity manifest, as a restore or conversion of it is, and so are
   the earlier steps of its delta chain; a bare item (written by `convert`
-  outside any step) has only its chunks' own checksums (`verify_item`).
+  outside any step) against its own manifest (`bare_item_problems`), and
+  then each of its chunks' checksums (`verify_item`).
 
   Raises:
     CheckpointError: the path does not exist.
@@ -61,7 +62,10 @@ def verify(path: epath.PathLike) -> list[Problem]:
       return _integrity.check_step(step, depth="full", items=[path.name]) + item_chain_problems(
           path, "full"
       )
-    return verify_item(path)
+    # A bare item: against its own manifest (files, chunks' places), then
+    # each array's metadata and every chunk's checksum.
+    own = bare_item_problems(path, "items")
+    return own + verify_item(path) if not _integrity.errors(own) else own
   if (path / _integrity.INTEGRITY_FILE).exists() or _STEP.match(path.name):
     return _integrity.check_step(path, depth="full") + step_chain_problems(path, "full")
   return verify_root(path)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -214,11 +215,16 @@ def test_conversion_can_change_the_codecs(tmp_path):
   storage = ck.StorageOptions(
       compression="zstd", compression_level=3, checksum="none", chunk_bytes=2048
   )
-  with pytest.warns(RuntimeWarning, match=r"z is written as an embedding item outside any step"
-                                         r" with checksum='none': nothing will check"):
-    ck.convert(tmp_path / "a", tmp_path / "z", layout, storage=storage)
+  ck.convert(tmp_path / "a", tmp_path / "z", layout, storage=storage)
   assert ck.CheckpointReader(tmp_path / "z").manifest.storage == storage
   _check_tables(model, tmp_path / "z")
+  # Without chunk checksums the bare item's own manifest checks its chunks.
+  chunk = next(p for p in sorted((tmp_path / "z").rglob("*")) if "/c/" in str(p) and p.is_file())
+  data = bytearray(chunk.read_bytes())
+  data[len(data) // 2] ^= 0x10
+  chunk.write_bytes(bytes(data))
+  with pytest.raises(ck.CorruptCheckpointError, match=re.escape(f"{chunk}: checksum mismatch")):
+    _check_tables(model, tmp_path / "z")
 
 
 def test_failed_conversion_leaves_nothing_behind(tmp_path):

@@ -10,7 +10,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import checkpoint as ck
-from checkpoint import _direct
+from checkpoint import _direct, _integrity
 from ckpt_testlib import make_model
 from sc_framework.optimizers import Adam, RowWiseAdagrad
 from tests.numerics import assert_same_bits
@@ -107,7 +107,7 @@ def test_direct_chunk_files_are_what_tensorstore_writes(tmp_path, target):
   _check_tables(model, tmp_path / "dst")
 
 
-def test_peak_memory_is_bounded_by_the_block_size_not_the_table(tmp_path):
+def test_peak_memory_is_bounded_by_the_block_size_not_the_table(tmp_path, monkeypatch):
   tables = [("a", 12000, 64), ("b", 10000, 64)]  # 5.7 MiB of tables and slots.
   model, layout = _saved(
       tmp_path / "src", 1, 1, tables=tables, seed=6, storage=ck.StorageOptions(chunk_bytes=8192)
@@ -115,12 +115,25 @@ def test_peak_memory_is_bounded_by_the_block_size_not_the_table(tmp_path):
   size = sum(f.stat().st_size for f in (tmp_path / "src").rglob("*") if f.is_file())
   target = ck.relayout(layout, num_devices=4, shards_per_device=2)
   block_bytes = 32 << 10
+  measured = {}
+  write_manifest = _integrity.write_manifest
+
+  def measured_write_manifest(directory, *, step):
+    """The output's integrity manifest, last: its own bookkeeping per file written."""
+    current, measured["conversion"] = tracemalloc.get_traced_memory()
+    tracemalloc.reset_peak()
+    write_manifest(directory, step=step)
+    measured["manifest"] = tracemalloc.get_traced_memory()[1] - current
+
+  monkeypatch.setattr(_integrity, "write_manifest", measured_write_manifest)
   tracemalloc.start()
   try:
     ck.convert(tmp_path / "src", tmp_path / "dst", target, block_bytes=block_bytes)
-    _, peak = tracemalloc.get_traced_memory()
   finally:
     tracemalloc.stop()
   # The chunk cache (8 blocks), a few blocks in flight, row indices, listings.
-  assert peak < 16 * block_bytes + (512 << 10) < size / 4, (peak, size)
+  assert measured["conversion"] < 16 * block_bytes + (512 << 10) < size / 4, (measured, size)
+  # The manifest lists every file written (as a step's does): a bounded cost per file.
+  files = sum(1 for f in (tmp_path / "dst").rglob("*") if f.is_file())
+  assert measured["manifest"] < 2048 * files < size / 2, (measured, files)
   _check_tables(model, tmp_path / "dst")

@@ -687,3 +687,38 @@ def test_a_step_converted_or_adopted_records_the_step_its_directory_names(
   assert [_integrity.step_of(name) for name in (
       "12", "12.compacting", "12.orbax-checkpoint-tmp-3", "best", "12b", "")] == [
           12, 12, 12, None, None, None]
+
+
+@pytest.mark.parametrize("mix", ["from another item", "swapped within the array"])
+def test_a_bare_items_chunk_of_another_item_or_position_is_refused(root, template, tmp_path,
+                                                                    mix):
+  """A bare item (convert's output outside any step) had only its chunks' checksums,
+  which such chunks keep: verify, restore and convert passed them."""
+  bare = {step: tmp_path / f"bare{step}" for step in (1, 2)}
+  for step, item in bare.items():
+    assert ck.convert(root / str(step) / "embedding", item, template.layout) == item
+  assert json.loads((bare[2] / "integrity.json").read_text())["files"]
+  assert _integrity.errors(ck.verify(bare[2])) == []
+  layout = template.layout
+  restore = ck.EmbeddingRestore(layout, make_mesh(layout.num_devices), AXIS)
+  tables = ck.EmbeddingCheckpointHandler().restore(bare[2], restore).tables
+  assert_same_bits(tables["a__b"], template.oracle[2]["tables"]["a__b"])
+  chunks = sorted(p for p in (bare[2] / "stacks" / "a__b" / "table" / "c").rglob("*")
+                  if p.is_file())
+  if mix == "from another item":
+    changed = [chunks[0]]
+    shutil.copyfile(bare[1] / chunks[0].relative_to(bare[2]), chunks[0])
+  else:
+    changed = chunks[:2]
+    first, second = (path.read_bytes() for path in changed)
+    assert len(first) == len(second) and first != second
+    changed[0].write_bytes(second), changed[1].write_bytes(first)
+  errors = _integrity.errors(ck.verify(bare[2]))
+  assert {str(p.path) for p in errors} == {str(path) for path in changed}, errors
+  assert all("a chunk of another step or position" in p.message for p in errors)
+  assert main(["verify", str(bare[2])]) == 1
+  with pytest.raises(ck.CorruptCheckpointError, match=re.escape(str(changed[0]))):
+    ck.EmbeddingCheckpointHandler().restore(bare[2], restore)
+  with pytest.raises(ck.CorruptCheckpointError, match=re.escape(str(changed[0]))):
+    ck.convert(bare[2], tmp_path / "again", "unstacked")
+  assert not (tmp_path / "again").exists()
