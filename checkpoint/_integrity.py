@@ -12,10 +12,14 @@ A step directory written by `CheckpointManager` holds `integrity.json`:
 "step" ties the files to their place in the root: a step directory named
 `<n>` whose manifest records another step (two steps' directories swapped by
 a botched rename, copy or sync, or one's integrity.json replaced by
-another's) is refused as damaged, wherever it is read; files alone cannot
-tell one step's complete save from another's. A directory named otherwise
-(a conversion written outside any root) is not compared, and manifests
-written before the field was recorded are read as before.
+another's) is refused as damaged wherever its items are read (depths
+'items' and 'full'); files alone cannot tell one step's complete save from
+another's. Like a chunk that fails its checksum, it does not make the step
+incomplete: a listing ('structure') still lists it, and a restore of it
+fails, naming both numbers (so a Trainer resumes the step before it, or
+refuses to start over beside it). A directory named otherwise (a conversion
+written outside any root) is not compared, and manifests written before the
+field was recorded are read as before.
 
 A file's "crc32c" is the CRC32C of its bytes before the last 4 and "tail"
 those 4 bytes (little endian); a file under 4 bytes has the CRC32C of all of
@@ -45,7 +49,8 @@ Checks, cheapest first (each returns `Problem`s, never raises):
                    manifest's small JSON-like files (< 1 MiB) checksummed.
   check_items      the files of some items: sizes and full checksums, and
                    each zarr chunk's trailer against the manifest (what a
-                   restore verifies before handing those items to Orbax).
+                   restore verifies before handing those items to Orbax);
+                   and the step the manifest records.
   verify_step      everything: every file's checksum and every zarr chunk's.
 Symbolic links anywhere in a step are errors: nothing is read through one.
 Files not in the manifest are reported as foreign and never read or deleted.
@@ -306,7 +311,12 @@ def write_manifest(step_dir: epath.Path, *, step: int | None) -> None:
 
 
 def read_manifest(step_dir: epath.Path) -> dict[str, FileEntry]:
-  """The manifest of a committed step.
+  """The files of a committed step's manifest (see `read_manifest_and_step`)."""
+  return read_manifest_and_step(step_dir)[0]
+
+
+def read_manifest_and_step(step_dir: epath.Path) -> tuple[dict[str, FileEntry], int | None]:
+  """The manifest of a committed step: its files, and the step it records (None: none).
 
   Raises:
     CorruptCheckpointError: naming the step and what is wrong (missing,
@@ -345,16 +355,23 @@ def read_manifest(step_dir: epath.Path) -> dict[str, FileEntry]:
     if storage_failure(error) is not None:
       raise read_error(error, f"reading {path} failed", advice) from error
     raise CorruptCheckpointError(f"{path} is unreadable or damaged ({error}).{advice}") from error
-  named = int(step_dir.name) if step_dir.name.isdecimal() and step_dir.name.isascii() else None
-  if recorded is not None and named is not None and recorded != named:
-    raise CorruptCheckpointError(
-        f"{path} is the integrity manifest of step {recorded}, but its directory is step"
-        f" {named}: the step directories were renamed or swapped (a botched rename, copy or"
-        f" sync), or this step's {INTEGRITY_FILE} was replaced by step {recorded}'s. Its files"
-        f" are not read as step {named}'s. If the directory holds step {recorded}'s save, put"
-        f" it back under that number; otherwise restore another step, or copy step {named}"
-        " again from its source.")
-  return files
+  return files, recorded
+
+
+def step_mismatch(step_dir: epath.Path, recorded: int | None) -> Problem | None:
+  """The error of a step directory whose manifest records another step (see the module doc)."""
+  name = step_dir.name
+  named = int(name) if name.isdecimal() and name.isascii() else None
+  if recorded is None or named is None or recorded == named:
+    return None
+  return Problem(
+      "error", step_dir / INTEGRITY_FILE,
+      f"is the integrity manifest of step {recorded}, but its directory is step {named}: the"
+      " step directories were renamed or swapped (a botched rename, copy or sync), or this"
+      f" step's {INTEGRITY_FILE} was replaced by step {recorded}'s. Its files are not read as"
+      f" step {named}'s. If the directory holds step {recorded}'s save, put it back under"
+      f" that number; otherwise restore another step, or copy step {named} again from its"
+      " source.")
 
 
 def read_trailer(path: epath.Path) -> int | None:
@@ -409,9 +426,15 @@ def check_step(
   if is_link(step_dir):
     return [Problem("error", step_dir, "the step is a symbolic link; nothing is read through one")]
   try:
-    files = read_manifest(step_dir)
+    files, recorded_step = read_manifest_and_step(step_dir)
   except CorruptCheckpointError as error:
     return [Problem("error", step_dir / INTEGRITY_FILE, str(error))]
+  # Which step the files are is a check of their content, as checksums are: a step
+  # listed as complete (depth 'structure') can hold another step's save. Where its
+  # files do not match either, the other step's manifest is the one cause to name.
+  mismatch = step_mismatch(step_dir, recorded_step)
+  if mismatch is not None and depth != "structure":
+    return [mismatch]
   wanted = None if items is None else set(items)
 
   def selected(rel: str) -> bool:
@@ -461,6 +484,8 @@ def check_step(
     )
   for item in unmerged_ocdbt_items(rel for rel in files if selected(rel)):
     problems.append(Problem("error", step_dir / item, f"{_UNMERGED} this one does not restore"))
+  if mismatch is not None and errors(problems):
+    return [mismatch]
   return problems
 
 

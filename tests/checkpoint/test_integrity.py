@@ -634,8 +634,8 @@ def test_verify_names_a_link_in_place_of_a_commit_file(root, tmp_path):
 def test_steps_whose_directories_or_manifests_were_swapped_are_not_read_as_each_other(
     root, template, swapped, capsys):
   """Each swapped step is a complete save whose files all match its manifest (a botched
-  rename or sync): restore, the handler, verify, convert and compact took step 1's
-  state as step 2's. The manifest records the step it was written as."""
+  rename or sync): restore, the handler, verify and convert took step 1's state as
+  step 2's. The manifest records the step it was written as."""
   assert [json.loads((root / str(step) / "integrity.json").read_text())["step"]
           for step in (1, 2)] == [1, 2]
   what = "" if swapped == "the step directories" else "integrity.json"
@@ -643,24 +643,30 @@ def test_steps_whose_directories_or_manifests_were_swapped_are_not_read_as_each_
   os.rename(root / "2" / what, root / "1" / what)
   os.rename(root / "swap", root / "2" / what)
   before = _files(root)
-  wrong = {step: f"{root / str(step) / 'integrity.json'} is the integrity manifest of step"
+  wrong = {step: f"{root / str(step) / 'integrity.json'}: is the integrity manifest of step"
                  f" {3 - step}, but its directory is step {step}" for step in (1, 2)}
   errors = sorted(_integrity.errors(ck.verify(root)), key=lambda p: str(p.path))
   assert [p.path for p in errors] == [root / step / "integrity.json" for step in ("1", "2")]
-  assert all(wrong[step] in p.message for step, p in zip((1, 2), errors)), errors
+  assert all(wrong[step] in str(p) for step, p in zip((1, 2), errors)), errors
   layout = template.layout
   restore = ck.EmbeddingRestore(layout, make_mesh(layout.num_devices), AXIS)
   with ck.CheckpointManager(root, read_only=True) as mngr:
-    for step in (1, 2):  # Neither is listed as a complete step.
-      with pytest.raises(ck.NotACheckpointError, match=re.escape(wrong[step])):
+    if what:  # Each directory's files fail the other's manifest: incomplete, not listed.
+      assert mngr.all_steps() == []
+    else:
+      # Whole steps are listed (a listing checks that the files are there, not what they
+      # hold), as a step with a flipped chunk is; neither restores.
+      assert mngr.all_steps() == [1, 2]
+      with pytest.raises(ck.CorruptCheckpointError, match=re.escape(wrong[1])):
+        mngr.restore(None, restore)  # Falls back past step 2; step 1 fails too.
+  with ck.CheckpointManager(root, read_only=True) as mngr:
+    for step in (1, 2):
+      with pytest.raises(ck.CheckpointError, match=re.escape(wrong[step])):
         mngr.restore(step, restore)
-    assert mngr.latest_step() is None
   with pytest.raises(ck.CorruptCheckpointError, match=re.escape(wrong[2])):
     ck.EmbeddingCheckpointHandler().restore(root / "2" / "embedding", ck.TableRestore())
   with pytest.raises(ck.CorruptCheckpointError, match=re.escape(wrong[2])):
     ck.convert(root / "2", root.parent / "converted", "unstacked")
-  assert main(["compact", str(root / "2")]) == 1
-  assert wrong[2] in capsys.readouterr().err
   assert main(["verify", str(root / "1")]) == 1
   assert wrong[1] in capsys.readouterr().out
   assert _files(root) == before and not (root.parent / "converted").exists()

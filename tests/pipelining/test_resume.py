@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -364,13 +365,25 @@ class _Replayed:
     return self._make()
 
 
-def test_a_step_folder_renamed_by_hand_is_refused_naming_its_real_step(tmp_path):
+@pytest.mark.parametrize("manifest", ["records its step", "from before steps were recorded"])
+def test_a_step_folder_renamed_by_hand_is_refused_naming_its_real_step(tmp_path, manifest):
   batches = make_batches(4, seed=91)
   make_trainer(tmp_path, False).fit(batches)
-  (tmp_path / "checkpoints" / "4").rename(tmp_path / "checkpoints" / "9")
-  with pytest.raises(CheckpointError, match=r"holds the state after 4 updates, not 9: the step"
-                     r" folder was renamed or copied by hand.* rename it back to 4"):
+  step_dir = tmp_path / "checkpoints" / "4"
+  if manifest == "records its step":
+    refusal = (r"9/integrity.json: is the integrity manifest of step 4, but its directory is"
+               r" step 9: .* put it back under that number")
+  else:  # The Trainer's meta item still names it.
+    integrity = json.loads((step_dir / "integrity.json").read_text())
+    del integrity["step"]
+    (step_dir / "integrity.json").write_text(json.dumps(integrity))
+    refusal = (r"holds the state after 4 updates, not 9: the step folder was renamed or"
+               r" copied by hand.* rename it back to 4")
+  step_dir.rename(tmp_path / "checkpoints" / "9")
+  with pytest.raises(CheckpointError, match=refusal):
     make_trainer(tmp_path, False).fit(batches)
+  # Refused: neither resumed from step 3 nor saved anything beside the renamed step.
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "3", "9"]
 
 
 def draining_reference(batches, updates: int) -> Trainer:
