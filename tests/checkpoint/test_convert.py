@@ -248,10 +248,23 @@ def test_a_temporary_directory_not_left_by_a_conversion_is_kept_and_refused(tmp_
 
 
 def _ended_process_id() -> int:
-  """The id of a process of this host that has ended."""
-  child = subprocess.Popen([sys.executable, "-c", "pass"])
-  child.wait()
-  return child.pid
+  """The id of no running process of this host.
+
+  On Linux the kernel's `pid_max`, which no process is given (ids run below
+  it). Elsewhere, that of a child that has ended: the kernel could give it
+  to a new process within the test, which would then fail (rarely).
+  """
+  try:
+    pid_max = int(open("/proc/sys/kernel/pid_max").read())
+  except (OSError, ValueError):
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+  try:
+    os.kill(pid_max, 0)
+  except ProcessLookupError:
+    return pid_max
+  raise AssertionError(f"a process has the id pid_max ({pid_max}), which Linux never gives")
 
 
 def test_a_conversion_still_running_to_the_same_destination_is_not_deleted(tmp_path):
