@@ -160,7 +160,8 @@ def inspect(path: epath.PathLike) -> dict[str, Any]:
     skipped = "; ".join(f"{child}: {why}" for child, why in incomplete.items() if why)
     raise NotACheckpointError(
         f"{path} is not a checkpoint: no {MANIFEST_FILE} (embedding item), no Orbax step"
-        f" metadata or {_integrity.INTEGRITY_FILE}, and no complete step directories.{' Incomplete: ' + skipped if skipped else ''}"
+        f" metadata or {_integrity.INTEGRITY_FILE}, and no complete step directories."
+        + (f" Incomplete: {skipped}" if skipped else "")
     )
   latest = next(
       child for child in children if _step_of(child) == steps[-1] and _TMP_MARK not in child.name

@@ -16,8 +16,8 @@ another's) is refused as damaged wherever its items are read (depths
 'items' and 'full'); files alone cannot tell one step's complete save from
 another's. Like a chunk that fails its checksum, it does not make the step
 incomplete: a listing ('structure') still lists it, and a restore of it
-fails, naming both numbers (so a Trainer resumes the step before it, or
-refuses to start over beside it). A directory named otherwise (a conversion
+fails, naming both numbers (a Trainer refuses to resume it, as it refuses a
+step its meta item says was renamed). A directory named otherwise (a conversion
 written outside any root) is not compared, and manifests written before the
 field was recorded are read as before.
 
