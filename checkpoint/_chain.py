@@ -43,7 +43,14 @@ from checkpoint._errors import (
     read_error,
     storage_failure,
 )
-from checkpoint._format import LAYOUT_FILE, MANIFEST_FILE, Manifest, read_layout, read_save_id
+from checkpoint._format import (
+    LAYOUT_FILE,
+    MANIFEST_FILE,
+    Manifest,
+    declares_item_integrity,
+    read_layout,
+    read_save_id,
+)
 from checkpoint._reader import CheckpointReader
 from sc_framework.stacking import EmbeddingLayout, global_to_logical_rows, logical_to_global_rows
 
@@ -160,19 +167,35 @@ def bare_item_problems(item: epath.Path, depth: _integrity.Depth) -> list[_integ
   """The problems of a bare embedding item against its own integrity manifest.
 
   `convert` writes an item outside any step (a bare item) with an
-  `integrity.json` of its own, the item directory taking the place of a
-  step's (see `checkpoint._integrity`; it records no step number): its files'
-  sizes and CRC32Cs, and each chunk's trailer, so that chunks swapped
-  within an array or taken from another item are refused although each
-  holds a valid checksum of its own, and chunks stored without checksums
-  are checked too. An item without one (written before bare items carried
-  it, or by Orbax's own `Checkpointer`) has nothing to be checked against:
-  [].
+  `item_integrity.json`, the item directory taking the place of a step's
+  (see `checkpoint._integrity`): its files' sizes and CRC32Cs, and each
+  chunk's trailer, so that chunks swapped within an array or taken from
+  another item are refused although each holds a valid checksum of its own,
+  and chunks stored without checksums are checked too. Its manifest.json
+  says so ("item_integrity"), so a lost one is an error. An item without
+  either (written before bare items carried one, or by Orbax's own
+  `Checkpointer`) has nothing to be checked against: [].
   """
-  manifest = item / _integrity.INTEGRITY_FILE
-  if not (_integrity.is_link(manifest) or manifest.exists()):
-    return []
-  return _integrity.check_step(item, depth=depth)
+  manifest = item / _integrity.ITEM_INTEGRITY_FILE
+  if _integrity.is_link(manifest) or manifest.exists():
+    return _integrity.check_step(item, depth=depth, manifest=_integrity.ITEM_INTEGRITY_FILE)
+  if _declares_item_integrity(item):
+    return [_integrity.Problem(
+        "error", manifest,
+        f"is missing, but the item's {MANIFEST_FILE} says it was written with one: the item"
+        " is incomplete (a partial copy), and its files cannot be verified. Copy it again, or"
+        " convert it again from its source.")]
+  return []
+
+
+def _declares_item_integrity(item: epath.Path) -> bool:
+  """Whether an item's manifest.json says it holds item_integrity.json (False where the
+  manifest cannot be read: opening the item reports that)."""
+  try:
+    data = json.loads((item / MANIFEST_FILE).read_text())
+    return isinstance(data, dict) and declares_item_integrity(data)
+  except (OSError, ValueError):
+    return False
 
 
 def walk_chain(item: epath.PathLike, *,

@@ -64,18 +64,22 @@ def compact(step_dir: epath.PathLike, *, progress: ConversionProgress | None = N
   """
   step_dir = _storage.as_path(step_dir, "compact step directory")
   _finish(step_dir)
+  usage = NotACheckpointError(
+      f"{step_dir} is not an Orbax step directory holding one embedding item; compact takes a"
+      " step directory (root/<step>)."
+  )
+  if (step_dir / MANIFEST_FILE).exists():
+    raise usage  # An embedding item, not a step.
   if (step_dir / _integrity.INTEGRITY_FILE).exists():
     # Whether the item is a delta is read from its manifest: a damaged one must not
-    # answer "already full", nor a lost one "no embedding item" (a full conversion
-    # checks every file as it reads).
+    # answer "already full", nor a lost one "no embedding item", nor a step holding
+    # another's save be compacted as this one (a full conversion checks every file
+    # as it reads).
     _integrity.raise_for(_integrity.check_step(step_dir, depth="structure"),
                          f"checkpoint step {step_dir.name} ({step_dir})")
   item = find_item(step_dir)
-  if item is None or (step_dir / MANIFEST_FILE).exists():
-    raise NotACheckpointError(
-        f"{step_dir} is not an Orbax step directory holding one embedding item; compact takes a"
-        " step directory (root/<step>)."
-    )
+  if item is None:
+    raise usage
   reader = open_reader(item)
   if not isinstance(reader, ChainReader):
     return False

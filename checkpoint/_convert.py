@@ -79,7 +79,7 @@ from checkpoint._chain import (
     save_id_of,
     table_states,
 )
-from checkpoint._errors import IncompatibleCheckpointError, SlotMismatchError
+from checkpoint._errors import CheckpointError, IncompatibleCheckpointError, SlotMismatchError
 from checkpoint._reader import find_item
 from checkpoint._source import verify_source
 from checkpoint._storage import StorageOptions, host_buffer
@@ -231,16 +231,19 @@ def convert(
       out.mkdir()
     else:
       out = tmp
+    # What the output's manifest.json says of the save besides its arrays.
+    stamp = {"save_id": save_id, "item_integrity": out == tmp}
     if target == "unstacked":
       _write_unstacked(reader, out, storage, block_bytes, cache.max_bytes, progress, table_dtype,
-                       save_id)
+                       stamp)
     else:
       _write_stacked(reader, out, target, storage, block_bytes, cache.max_bytes, progress,
-                     table_dtype, save_id)
+                     table_dtype, stamp)
     (tmp / _IN_PROGRESS_MARKER).unlink()
-    # The converted step is complete; it is the step its destination names. A
-    # bare item gets a manifest of its own (`_chain.bare_item_problems`).
-    _integrity.write_manifest(tmp, step=_integrity.step_of(dst) if out != tmp else None)
+    if out == tmp:  # A bare item: a manifest of its own (`_chain.bare_item_problems`).
+      _integrity.write_manifest(tmp, step=None, manifest=_integrity.ITEM_INTEGRITY_FILE)
+    else:  # The converted step is complete; it holds the source step's save.
+      _integrity.write_manifest(tmp, step=_source_step(src))
   except BaseException:
     tmp.rmtree(missing_ok=True)
     raise
@@ -500,7 +503,7 @@ def _check_step_name(src: epath.Path, dst: epath.Path) -> None:
   which a resume refuses as a renamed step.
   """
   dst = dst.absolute()
-  source_step = _step_number(src)
+  source_step = _source_step(src)
   if not dst.name.isdigit() or source_step is None or source_step == int(dst.name):
     return  # Not named as a step; a bare item; or the source's step (here or in a root).
   raise ValueError(
@@ -511,11 +514,19 @@ def _check_step_name(src: epath.Path, dst: epath.Path) -> None:
   )
 
 
-def _step_number(src: epath.Path) -> int | None:
-  """The step number of a conversion's source (a step, or an item in one), or None."""
+def _source_step(src: epath.Path) -> int | None:
+  """The step whose save a conversion's source (a step, or an item in one) holds: the
+  step its integrity manifest records, else the number its directory is named by; None
+  for a bare item (or a step of neither)."""
   for step in (src, src.parent):
-    if step.name.isdigit() and _integrity.holds_a_save(step):
-      return int(step.name)
+    if _integrity.holds_a_save(step):
+      recorded = None
+      if (step / _integrity.INTEGRITY_FILE).exists():
+        try:
+          recorded = _integrity.read_manifest_and_step(step)[1]
+        except CheckpointError:
+          pass  # Damaged: verify_source names it before anything is read.
+      return recorded if recorded is not None else _integrity.step_of(step)
   return None
 
 
@@ -809,7 +820,7 @@ def _cache_bytes(reader, tables, slot: str | None, span_bytes: int, limit: int) 
 
 
 def _write_stacked(
-    reader, out, layout, storage, block_bytes, cache_limit, progress, table_dtype, save_id
+    reader, out, layout, storage, block_bytes, cache_limit, progress, table_dtype, stamp
 ) -> None:
   assemblies = assemble_stacked(reader, layout)
   for assembly in assemblies.values():
@@ -821,7 +832,7 @@ def _write_stacked(
   slot_specs = {name: assembly.slot_specs for name, assembly in assemblies.items()}
   optimizers = {name: assembly.optimizer for name, assembly in assemblies.items()}
   manifest = dataclasses.replace(
-      _save.stacked_manifest(layout, dtypes, slot_specs, storage, optimizers), save_id=save_id)
+      _save.stacked_manifest(layout, dtypes, slot_specs, storage, optimizers), **stamp)
   _check_room(out, manifest, layout)
   writer = _Writer(out, manifest, progress, block_bytes // 2)
 
@@ -862,7 +873,7 @@ def _write_stacked(
 
 
 def _write_unstacked(
-    reader, out, storage, block_bytes, cache_limit, progress, table_dtype, save_id
+    reader, out, storage, block_bytes, cache_limit, progress, table_dtype, stamp
 ) -> None:
   tables = {name: reader.table_shape(name) for name in reader.table_names}
   dtypes, slot_specs = {}, {}
@@ -872,7 +883,7 @@ def _write_unstacked(
     dtypes[(name, None)] = reader.dtype(name) if table_dtype is None else table_dtype
     dtypes.update({(name, spec.name): reader.dtype(name, spec.name) for spec in slot_specs[name]})
   manifest = dataclasses.replace(
-      _save.unstacked_manifest(tables, dtypes, slot_specs, storage, optimizers), save_id=save_id)
+      _save.unstacked_manifest(tables, dtypes, slot_specs, storage, optimizers), **stamp)
   writer = _Writer(out, manifest, progress, block_bytes // 2)
 
   def blocks():

@@ -27,6 +27,12 @@ by each save, kept by a conversion that keeps the values (another layout or
 device count; a compaction). A delta records its parent's id, so a parent
 step replaced by another state of the same step number is refused rather
 than read as the delta's base (`_chain.walk_chain`).
+
+"item_integrity" (optional, true or absent) marks an item written outside any
+step by `convert`, which holds a manifest of its own files
+(`item_integrity.json`, see `checkpoint._integrity`): an item saying so
+without that file lost it, and is not read as an item written before items
+carried one.
 """
 
 from __future__ import annotations
@@ -95,6 +101,8 @@ class Manifest:
   storage: StorageOptions
   # Which save, not what is stored: manifests of the same arrays compare equal.
   save_id: str | None = dataclasses.field(default=None, compare=False)
+  # Whether the item holds its own integrity manifest (see the module doc).
+  item_integrity: bool = dataclasses.field(default=False, compare=False)
 
   def group(self, name: str) -> GroupInfo:
     for group in self.groups:
@@ -116,6 +124,8 @@ class Manifest:
     }
     if self.save_id is not None:  # Absent where unknown, as in older checkpoints.
       out["save_id"] = self.save_id
+    if self.item_integrity:
+      out["item_integrity"] = True
     return out
 
   @classmethod
@@ -162,9 +172,10 @@ class Manifest:
         raise ValueError(f"duplicate group names in {names}")
       storage = StorageOptions.from_dict(data["storage"])
       save_id = read_save_id(data)
+      item_integrity = declares_item_integrity(data)
     except (KeyError, TypeError, ValueError) as error:
       raise NotACheckpointError(f"{where}: malformed manifest ({error!r}).") from error
-    return cls(kind, tuple(groups), storage, save_id)
+    return cls(kind, tuple(groups), storage, save_id, item_integrity)
 
   def to_json(self) -> str:
     return json.dumps(self.to_dict(), indent=1, sort_keys=True)
@@ -188,6 +199,14 @@ def read_layout(path: epath.Path,
     return EmbeddingLayout.from_json(text)
   except ValueError as cause:
     raise error(f"{path}: invalid layout: {cause}") from cause
+
+
+def declares_item_integrity(data: dict[str, Any]) -> bool:
+  """Whether a parsed manifest says its item holds its own integrity manifest."""
+  value = data.get("item_integrity", False)
+  if not isinstance(value, bool):
+    raise ValueError(f"item_integrity {value!r} is not true or false")
+  return value
 
 
 def new_save_id() -> str:

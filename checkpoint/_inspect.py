@@ -16,6 +16,7 @@ described as it is.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from etils import epath
@@ -180,11 +181,19 @@ def inspect(path: epath.PathLike) -> dict[str, Any]:
 def _check_step_holding(src: epath.Path, item: epath.Path | None) -> None:
   """Raises CorruptCheckpointError naming every damaged file when the step holding
   `src` (a step, or embedding item `item` in one), or an earlier step of its delta
-  chain, fails its integrity manifest at the structure depth; see the module doc."""
+  chain, fails its integrity manifest at the structure depth, or holds another step's
+  save; a bare item against its own manifest. See the module doc. A step named
+  through a symbolic link to it (a `latest` link) is checked where the link points."""
+  if item is not None and item == src and is_link(src.parent):  # <link>/embedding
+    src = item = epath.Path(os.path.realpath(src.parent)) / src.name
+  elif is_link(src):  # <link> to a step, or to an item
+    real = epath.Path(os.path.realpath(src))
+    item = None if item is None else real if item == src else real / item.name
+    src = real
   step = src if item is None or item != src else step_of_item(item)
   if step is None or is_link(step / _integrity.INTEGRITY_FILE) or (
       step / _integrity.INTEGRITY_FILE).exists():
-    verify_source(src, item, depth="structure")  # a bare item: against its own manifest
+    verify_source(src, item, depth="structure", purpose="inspected")
 
 
 def format_description(info: dict[str, Any]) -> str:

@@ -10,16 +10,22 @@ A step directory written by `CheckpointManager` holds `integrity.json`:
    "digest": CRC32C of the canonical JSON of "files"}
 
 "step" ties the files to their place in the root: a step directory named
-`<n>` whose manifest records another step (two steps' directories swapped by
-a botched rename, copy or sync, or one's integrity.json replaced by
-another's) is refused as damaged wherever its items are read (depths
-'items' and 'full'); files alone cannot tell one step's complete save from
-another's. Like a chunk that fails its checksum, it does not make the step
-incomplete: a listing ('structure') still lists it, and a restore of it
-fails, naming both numbers (a Trainer refuses to resume it, as it refuses a
-step its meta item says was renamed). A directory named otherwise (a conversion
-written outside any root) is not compared, and manifests written before the
-field was recorded are read as before.
+`<n>` whose manifest records another step is refused wherever it is read,
+naming both numbers; files alone cannot tell one step's complete save from
+another's. Where the files match that manifest, the directory holds the
+other step's whole save (two steps' directories swapped by a botched rename,
+copy or sync: `StepMismatch`); like a chunk that fails its checksum, that
+does not make the step incomplete: a listing lists it, and a restore of it
+fails (a Trainer refuses to resume it, as it refuses a step its meta item
+says was renamed). Where they do not (a partial copy of another step, or
+its integrity.json put in this one's place), the step is incomplete. A
+directory not named by digits alone (a conversion written outside any root)
+is not compared, and manifests written before the field was recorded are
+read as before. A conversion records its source's step.
+
+A bare embedding item (written by `convert` outside any step) holds the same
+manifest of its files as `item_integrity.json`, with no step; named apart so
+that nothing takes the item for a step.
 
 A file's "crc32c" is the CRC32C of its bytes before the last 4 and "tail"
 those 4 bytes (little endian); a file under 4 bytes has the CRC32C of all of
@@ -49,8 +55,7 @@ Checks, cheapest first (each returns `Problem`s, never raises):
                    manifest's small JSON-like files (< 1 MiB) checksummed.
   check_items      the files of some items: sizes and full checksums, and
                    each zarr chunk's trailer against the manifest (what a
-                   restore verifies before handing those items to Orbax);
-                   and the step the manifest records.
+                   restore verifies before handing those items to Orbax).
   verify_step      everything: every file's checksum and every zarr chunk's.
 Symbolic links anywhere in a step are errors: nothing is read through one.
 Files not in the manifest are reported as foreign and never read or deleted.
@@ -72,15 +77,16 @@ from etils import epath
 from checkpoint._errors import CorruptCheckpointError, read_error, storage_failure
 
 INTEGRITY_FILE = "integrity.json"
+# The same manifest in a bare embedding item (written by `convert` outside any step),
+# the item directory in place of the step's: named apart, so that no listing or check
+# of steps takes such an item for a step.
+ITEM_INTEGRITY_FILE = "item_integrity.json"
 INTEGRITY_FORMAT_NAME = "sc_framework.step_integrity"
 INTEGRITY_FORMAT_VERSION = 2
 _READABLE_FORMAT_VERSIONS = (1, 2)  # 1: whole-file CRC32Cs (see the module doc)
 # Written or rewritten by Orbax's commit after the manifest; never read as data.
 ORBAX_STEP_METADATA = "_CHECKPOINT_METADATA"  # Orbax's step metadata: items, their handlers
 COMMIT_FILES = frozenset({ORBAX_STEP_METADATA, "commit_success.txt"})
-# The step a directory is written as: `<step>`, or one of the library's working names
-# for it (`<step>.orbax-checkpoint-tmp-<n>`, `<step>.compacting`, ...).
-_STEP_NAME = re.compile(r"^([0-9]+)(?:\.|$)")
 _READ_BYTES = 16 << 20
 _SMALL_FILE = 1 << 20
 # Files of a cloud step sized, read or checksummed at once: a step has one file per
@@ -225,8 +231,9 @@ def _is_zarr_chunk(rel: str, array_dirs: set[str]) -> bool:
 # ----------------------------------------------------------------------------- the manifest
 
 
-def build_manifest(step_dir: epath.Path) -> dict[str, FileEntry]:
-  """Lists and checksums every file of a step being written (see the module doc)."""
+def build_manifest(step_dir: epath.Path, manifest: str = INTEGRITY_FILE) -> dict[str, FileEntry]:
+  """Lists and checksums every file of a step being written (see the module doc);
+  `manifest`: the manifest's own name (ITEM_INTEGRITY_FILE in a bare item), not listed."""
   found = list(walk(step_dir))
   links = [path for _, path, kind in found if kind == "link"]
   if links:
@@ -234,7 +241,7 @@ def build_manifest(step_dir: epath.Path) -> dict[str, FileEntry]:
         f"the checkpoint being written at {step_dir} contains symbolic links {links}; a"
         " checkpoint is plain files. Save the items as files, not links."
     )
-  rels = [rel for rel, _, _ in found if rel not in COMMIT_FILES and rel != INTEGRITY_FILE]
+  rels = [rel for rel, _, _ in found if rel not in COMMIT_FILES and rel != manifest]
   unmerged = unmerged_ocdbt_items(rels)
   if unmerged:
     raise CorruptCheckpointError(
@@ -283,9 +290,9 @@ def _concurrently(step_dir: epath.Path, fn: Callable, items: list) -> list:
 
 
 def step_of(directory: epath.PathLike) -> int | None:
-  """The step number a directory's name gives (`<step>` or `<step>.<suffix>`), or None."""
-  match = _STEP_NAME.match(epath.Path(directory).name)
-  return None if match is None else int(match.group(1))
+  """The step number a directory's name gives (a name of digits only), or None."""
+  name = epath.Path(directory).name
+  return int(name) if name.isdecimal() and name.isascii() else None
 
 
 def manifest_json(files: dict[str, FileEntry], *, step: int | None) -> str:
@@ -301,13 +308,16 @@ def manifest_json(files: dict[str, FileEntry], *, step: int | None) -> str:
   return json.dumps(manifest, indent=0, sort_keys=True)
 
 
-def write_manifest(step_dir: epath.Path, *, step: int | None) -> None:
-  """Writes integrity.json into a step directory whose items are all written.
+def write_manifest(step_dir: epath.Path, *, step: int | None,
+                   manifest: str = INTEGRITY_FILE) -> None:
+  """Writes integrity.json into a step directory whose items are all written
+  (`manifest`=ITEM_INTEGRITY_FILE: the item_integrity.json of a bare item).
 
-  `step`: the step number the directory holds (see the module doc), None
-  for a directory that is no step of a root.
+  `step`: the step whose save the directory holds (see the module doc), None
+  for a bare item or a step of unknown number.
   """
-  (step_dir / INTEGRITY_FILE).write_text(manifest_json(build_manifest(step_dir), step=step))
+  files = build_manifest(step_dir, manifest)
+  (step_dir / manifest).write_text(manifest_json(files, step=step))
 
 
 def read_manifest(step_dir: epath.Path) -> dict[str, FileEntry]:
@@ -315,23 +325,28 @@ def read_manifest(step_dir: epath.Path) -> dict[str, FileEntry]:
   return read_manifest_and_step(step_dir)[0]
 
 
-def read_manifest_and_step(step_dir: epath.Path) -> tuple[dict[str, FileEntry], int | None]:
-  """The manifest of a committed step: its files, and the step it records (None: none).
+def read_manifest_and_step(step_dir: epath.Path, manifest: str = INTEGRITY_FILE
+                           ) -> tuple[dict[str, FileEntry], int | None]:
+  """The manifest of a committed step (or, `manifest`=ITEM_INTEGRITY_FILE, of a bare
+  item): its files, and the step it records (None: none).
 
   Raises:
     CorruptCheckpointError: naming the step and what is wrong (missing,
       a link, unreadable, not valid JSON, digest mismatch).
   """
-  path = step_dir / INTEGRITY_FILE
+  path = step_dir / manifest
   advice = (
       " The step is incomplete or damaged (a partial copy, or not written by this library's"
       " CheckpointManager); restore another step, or copy the step again from its source."
+      if manifest == INTEGRITY_FILE else
+      " The embedding item is incomplete or damaged (a partial copy); copy it again, or"
+      " convert it again from its source."
   )
-  link = link_in_path(step_dir, INTEGRITY_FILE)
+  link = link_in_path(step_dir, manifest)
   if link is not None:
     raise CorruptCheckpointError(f"{link} is a symbolic link; nothing is read through one.{advice}")
   if not path.exists():
-    raise CorruptCheckpointError(f"{step_dir} has no {INTEGRITY_FILE}.{advice}")
+    raise CorruptCheckpointError(f"{step_dir} has no {manifest}.{advice}")
   try:
     data = json.loads(path.read_text())
     entries = data["files"]
@@ -358,20 +373,36 @@ def read_manifest_and_step(step_dir: epath.Path) -> tuple[dict[str, FileEntry], 
   return files, recorded
 
 
-def step_mismatch(step_dir: epath.Path, recorded: int | None) -> Problem | None:
-  """The error of a step directory whose manifest records another step (see the module doc)."""
-  name = step_dir.name
-  named = int(name) if name.isdecimal() and name.isascii() else None
+@dataclasses.dataclass(frozen=True)
+class StepMismatch(Problem):
+  """A step directory holding another step's whole save (see the module doc): an error
+  wherever the step is read, which a listing does not count against it."""
+
+
+def step_mismatch(step_dir: epath.Path, recorded: int | None,
+                  files_match: bool) -> Problem | None:
+  """The error of a step directory whose manifest records another step, or None.
+
+  `files_match`: whether the directory's files match that manifest, which
+  makes the directory that step's whole save (`StepMismatch`: the directories
+  were renamed or swapped); if not, the step is incomplete as well.
+  """
+  named = step_of(step_dir)
   if recorded is None or named is None or recorded == named:
     return None
+  if files_match:
+    return StepMismatch(
+        "error", step_dir / INTEGRITY_FILE,
+        f"is the integrity manifest of step {recorded}, but its directory is step {named}: its"
+        f" files are step {recorded}'s save (the step directories were renamed or swapped, by a"
+        f" botched rename, copy or sync). Put it back as step {recorded}, or restore another"
+        f" step; it is not read as step {named}.")
   return Problem(
       "error", step_dir / INTEGRITY_FILE,
-      f"is the integrity manifest of step {recorded}, but its directory is step {named}: the"
-      " step directories were renamed or swapped (a botched rename, copy or sync), or this"
-      f" step's {INTEGRITY_FILE} was replaced by step {recorded}'s. Its files are not read as"
-      f" step {named}'s. If the directory holds step {recorded}'s save, put it back under"
-      f" that number; otherwise restore another step, or copy step {named} again from its"
-      " source.")
+      f"is the integrity manifest of step {recorded}, but its directory is step {named}, and"
+      f" its files do not match it (a partial copy of step {recorded}, or step {recorded}'s"
+      f" {INTEGRITY_FILE} put in this one's place). Copy step {named} again from its source,"
+      " or restore another step.")
 
 
 def read_trailer(path: epath.Path) -> int | None:
@@ -413,7 +444,8 @@ Depth = Literal["structure", "items", "full"]
 
 
 def check_step(
-    step_dir: epath.Path, *, depth: Depth, items: Iterable[str] | None = None
+    step_dir: epath.Path, *, depth: Depth, items: Iterable[str] | None = None,
+    manifest: str = INTEGRITY_FILE,
 ) -> list[Problem]:
   """The problems of a step; an empty list means the checked data can be trusted.
 
@@ -426,15 +458,9 @@ def check_step(
   if is_link(step_dir):
     return [Problem("error", step_dir, "the step is a symbolic link; nothing is read through one")]
   try:
-    files, recorded_step = read_manifest_and_step(step_dir)
+    files, recorded_step = read_manifest_and_step(step_dir, manifest)
   except CorruptCheckpointError as error:
-    return [Problem("error", step_dir / INTEGRITY_FILE, str(error))]
-  # Which step the files are is a check of their content, as checksums are: a step
-  # listed as complete (depth 'structure') can hold another step's save. Where its
-  # files do not match either, the other step's manifest is the one cause to name.
-  mismatch = step_mismatch(step_dir, recorded_step)
-  if mismatch is not None and depth != "structure":
-    return [mismatch]
+    return [Problem("error", step_dir / manifest, str(error))]
   wanted = None if items is None else set(items)
 
   def selected(rel: str) -> bool:
@@ -470,7 +496,7 @@ def check_step(
                                 check[0], checksummed), checked):
     problems.extend(found)
   if wanted is None:
-    listed = roots | COMMIT_FILES | {INTEGRITY_FILE}
+    listed = roots | COMMIT_FILES | {manifest}
     for child in sorted(step_dir.iterdir(), key=lambda p: p.name):
       if child.name in COMMIT_FILES and is_link(child):  # the items' links are named above
         problems.append(Problem("error", child, "is a symbolic link; nothing is read through one"))
@@ -484,9 +510,10 @@ def check_step(
     )
   for item in unmerged_ocdbt_items(rel for rel in files if selected(rel)):
     problems.append(Problem("error", step_dir / item, f"{_UNMERGED} this one does not restore"))
-  if mismatch is not None and errors(problems):
-    return [mismatch]
-  return problems
+  # Whose save the files are: a manifest of another step is the one cause to name,
+  # whether the files match it (directories swapped) or not (the manifest replaced).
+  mismatch = step_mismatch(step_dir, recorded_step, files_match=not errors(problems))
+  return problems if mismatch is None else [mismatch]
 
 
 def _check_file(

@@ -45,7 +45,8 @@ from checkpoint._integrity import Depth, Problem
 
 
 def verify_source(
-    src: epath.Path, item: epath.Path | None, *, depth: Depth = "items"
+    src: epath.Path, item: epath.Path | None, *, depth: Depth = "items",
+    purpose: str = "converted",
 ) -> list[Problem]:
   """Checks every file a conversion of `src` (embedding item `item`) reads; see the module doc.
 
@@ -57,6 +58,7 @@ def verify_source(
       manifest.json is damage, named as such).
     depth: `_integrity.Depth`; 'structure' checks sizes and small files
       only (a cheap check before the source's layout is read).
+    purpose: what the source is read for, in messages ("being converted").
 
   Returns:
     The source step's foreign entries (files its manifest does not list),
@@ -69,7 +71,7 @@ def verify_source(
   """
   if item is None:
     if (src / _integrity.INTEGRITY_FILE).exists():
-      _check(src, None, depth)
+      _check(src, None, depth, purpose)
     return []
   if item != src:
     step, items = src, None
@@ -77,15 +79,15 @@ def verify_source(
     step, items = step_of_item(item), [item.name]
   if step is None:  # A bare item (a full one: convert writes no deltas).
     problems = bare_item_problems(item, depth)
-    _integrity.raise_for(problems, f"the embedding item {item} being converted")
+    _integrity.raise_for(problems, f"the embedding item {item} being {purpose}")
     return [problem for problem in problems if problem.severity == "foreign"]
-  problems = _check(step, items, depth)
+  problems = _check(step, items, depth, purpose)
   # The earlier steps must have manifests too (a replaced one is named after damaged ones).
   for link, _ in walk_chain(item, check_ids=False)[:-1]:
     _require_manifest(link.parent)
   earlier_depth: Depth = "structure" if depth == "structure" else "full"
   _integrity.raise_for(chain_problems(item, earlier_depth),
-                       f"the delta chain of {item} being converted (its earlier steps)")
+                       f"the delta chain of {item} being {purpose} (its earlier steps)")
   return [problem for problem in problems if problem.severity == "foreign"]
 
 
@@ -98,10 +100,11 @@ def step_of_item(item: epath.Path) -> epath.Path | None:
   return step if (step / _integrity.ORBAX_STEP_METADATA).exists() else None
 
 
-def _check(step: epath.Path, items: list[str] | None, depth: Depth) -> list[Problem]:
+def _check(step: epath.Path, items: list[str] | None, depth: Depth,
+           purpose: str) -> list[Problem]:
   _require_manifest(step)
   problems = _integrity.check_step(step, depth=depth, items=items)
-  _integrity.raise_for(problems, f"the checkpoint step {step} being converted")
+  _integrity.raise_for(problems, f"the checkpoint step {step} being {purpose}")
   return problems
 
 

@@ -65,7 +65,10 @@ def verify(path: epath.PathLike) -> list[Problem]:
     # A bare item: against its own manifest (files, chunks' places), then
     # each array's metadata and every chunk's checksum.
     own = bare_item_problems(path, "items")
-    return own + verify_item(path) if not _integrity.errors(own) else own
+    if _integrity.errors(own):
+      return own
+    has_manifest = (path / _integrity.ITEM_INTEGRITY_FILE).exists()
+    return own + verify_item(path, checked_by_manifest=has_manifest)
   if (path / _integrity.INTEGRITY_FILE).exists() or _STEP.match(path.name):
     return _integrity.check_step(path, depth="full") + step_chain_problems(path, "full")
   return verify_root(path)
@@ -145,7 +148,7 @@ def _links(directory: epath.Path) -> list[Problem]:
   ]
 
 
-def verify_item(item: epath.Path) -> list[Problem]:
+def verify_item(item: epath.Path, *, checked_by_manifest: bool = False) -> list[Problem]:
   """The problems of a bare embedding item: links, each array's metadata, and every chunk.
 
   Each array's zarr.json must describe what the manifest says (shape, dtype,
@@ -153,6 +156,8 @@ def verify_item(item: epath.Path) -> list[Problem]:
 
   A delta item's arrays (every process's part) are read in full, which
   checks their chunks' checksums; its chain is not followed.
+  `checked_by_manifest`: the item's own manifest checked every file's
+  checksum (`bare_item_problems`), chunks stored without one included.
   """
   problems = _links(item)
   if problems:
@@ -164,7 +169,7 @@ def verify_item(item: epath.Path) -> list[Problem]:
     reader = CheckpointReader(item)
   except CheckpointError as error:
     return [Problem("error", item, str(error))]
-  if reader.manifest.storage.checksum != "crc32c":
+  if reader.manifest.storage.checksum != "crc32c" and not checked_by_manifest:
     problems.append(
         Problem("foreign", item, "stored without chunk checksums: only sizes can be checked")
     )

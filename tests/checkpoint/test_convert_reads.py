@@ -118,11 +118,11 @@ def test_peak_memory_is_bounded_by_the_block_size_not_the_table(tmp_path, monkey
   measured = {}
   write_manifest = _integrity.write_manifest
 
-  def measured_write_manifest(directory, *, step):
+  def measured_write_manifest(directory, **kwargs):
     """The output's integrity manifest, last: its own bookkeeping per file written."""
     current, measured["conversion"] = tracemalloc.get_traced_memory()
     tracemalloc.reset_peak()
-    write_manifest(directory, step=step)
+    write_manifest(directory, **kwargs)
     measured["manifest"] = tracemalloc.get_traced_memory()[1] - current
 
   monkeypatch.setattr(_integrity, "write_manifest", measured_write_manifest)

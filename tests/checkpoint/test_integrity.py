@@ -650,12 +650,16 @@ def test_steps_whose_directories_or_manifests_were_swapped_are_not_read_as_each_
   assert all(wrong[step] in str(p) for step, p in zip((1, 2), errors)), errors
   layout = template.layout
   restore = ck.EmbeddingRestore(layout, make_mesh(layout.num_devices), AXIS)
+  # Which of the two happened, and what to do about it.
+  cause = ("its files are step {}'s save" if not what else
+           "and its files do not match it (a partial copy of step {}")
+  assert all(cause.format(3 - step) in p.message for step, p in zip((1, 2), errors)), errors
   with ck.CheckpointManager(root, read_only=True) as mngr:
-    if what:  # Each directory's files fail the other's manifest: incomplete, not listed.
+    if what:  # Files that fail the manifest: incomplete steps, not listed.
       assert mngr.all_steps() == []
     else:
-      # Whole steps are listed (a listing checks that the files are there, not what they
-      # hold), as a step with a flipped chunk is; neither restores.
+      # Whole saves are listed (a listing checks that a step's files are there, not
+      # whose they are), as a step with a flipped chunk is; neither restores.
       assert mngr.all_steps() == [1, 2]
       with pytest.raises(ck.CorruptCheckpointError, match=re.escape(wrong[1])):
         mngr.restore(None, restore)  # Falls back past step 2; step 1 fails too.
@@ -667,6 +671,9 @@ def test_steps_whose_directories_or_manifests_were_swapped_are_not_read_as_each_
     ck.EmbeddingCheckpointHandler().restore(root / "2" / "embedding", ck.TableRestore())
   with pytest.raises(ck.CorruptCheckpointError, match=re.escape(wrong[2])):
     ck.convert(root / "2", root.parent / "converted", "unstacked")
+  for command in ("compact", "inspect"):
+    assert main([command, str(root / "2")]) == 1
+    assert wrong[2] in capsys.readouterr().err
   assert main(["verify", str(root / "1")]) == 1
   assert wrong[1] in capsys.readouterr().out
   assert _files(root) == before and not (root.parent / "converted").exists()
@@ -680,19 +687,22 @@ def test_steps_whose_directories_or_manifests_were_swapped_are_not_read_as_each_
       assert_same_bits(restored.tables["a__b"], template.oracle[step]["tables"]["a__b"])
 
 
-def test_a_step_converted_or_adopted_records_the_step_its_directory_names(
-    root, tmp_path):
-  out = ck.convert(root / "2", tmp_path / "other" / "2", "unstacked").parent
-  assert json.loads((out / "integrity.json").read_text())["step"] == 2
-  outside = ck.convert(root / "2", tmp_path / "outside", "unstacked").parent
-  assert "step" not in json.loads((outside / "integrity.json").read_text())
-  assert _integrity.errors(_integrity.check_step(outside, depth="full")) == []
+def test_a_step_converted_or_adopted_records_the_step_whose_save_it_holds(root, tmp_path):
+  """A conversion records its source's step, whatever its destination's name (a
+  date-named export is no other step); a step adopted records its directory's."""
+  for dst in (tmp_path / "other" / "2", tmp_path / "2024.06.01", tmp_path / "best"):
+    out = ck.convert(root / "2", dst, "unstacked").parent
+    assert json.loads((out / "integrity.json").read_text())["step"] == 2
+    assert _integrity.errors(_integrity.check_step(out, depth="full")) == []
+  shutil.copytree(tmp_path / "2024.06.01", tmp_path / "again" / "2")  # Under its number.
+  with ck.CheckpointManager(tmp_path / "again", read_only=True) as mngr:
+    assert mngr.restore(2, items={"meta": ocp.args.JsonRestore()})["meta"]["step"] == 2
   (root / "1" / "integrity.json").unlink()
   assert main(["verify", "--adopt", str(root / "1")]) == 0
   assert json.loads((root / "1" / "integrity.json").read_text())["step"] == 1
   assert [_integrity.step_of(name) for name in (
-      "12", "12.compacting", "12.orbax-checkpoint-tmp-3", "best", "12b", "")] == [
-          12, 12, 12, None, None, None]
+      "12", "0012", "12.compacting", "2024.06.01", "best", "12b", "")] == [
+          12, 12, None, None, None, None, None]
 
 
 @pytest.mark.parametrize("mix", ["from another item", "swapped within the array"])
@@ -703,7 +713,8 @@ def test_a_bare_items_chunk_of_another_item_or_position_is_refused(root, templat
   bare = {step: tmp_path / f"bare{step}" for step in (1, 2)}
   for step, item in bare.items():
     assert ck.convert(root / str(step) / "embedding", item, template.layout) == item
-  assert json.loads((bare[2] / "integrity.json").read_text())["files"]
+  assert json.loads((bare[2] / "item_integrity.json").read_text())["files"]
+  assert not (bare[2] / "integrity.json").exists()  # nothing takes it for a step
   assert _integrity.errors(ck.verify(bare[2])) == []
   layout = template.layout
   restore = ck.EmbeddingRestore(layout, make_mesh(layout.num_devices), AXIS)
@@ -728,3 +739,40 @@ def test_a_bare_items_chunk_of_another_item_or_position_is_refused(root, templat
   with pytest.raises(ck.CorruptCheckpointError, match=re.escape(str(changed[0]))):
     ck.convert(bare[2], tmp_path / "again", "unstacked")
   assert not (tmp_path / "again").exists()
+
+
+def test_a_bare_item_is_never_taken_for_a_step_and_a_lost_manifest_is_named(
+    root, template, tmp_path, capsys):
+  """Its manifest is named apart from a step's: a bare item put in a root under a step
+  number was listed as the root's latest step (a Trainer could not start), and convert
+  replaced it as if it were a step. Its manifest.json says it has one, so a lost one is
+  an error, not an item from before bare items carried one."""
+  bare = tmp_path / "bare"
+  ck.convert(root / "2" / "embedding", bare, template.layout)
+  assert json.loads((bare / "manifest.json").read_text())["item_integrity"] is True
+  shutil.copytree(bare, root / "9")
+  with pytest.warns(RuntimeWarning, match=r"9 is skipped"):
+    with ck.CheckpointManager(root, read_only=True) as mngr:
+      assert mngr.all_steps() == [1, 2]
+  with pytest.raises(FileExistsError, match=r"not a checkpoint step directory"):
+    ck.convert(root / "1", bare, "unstacked", overwrite=True)
+  assert main(["compact", str(bare)]) == 1
+  assert "compact takes a step directory" in capsys.readouterr().err
+  (bare / "item_integrity.json").unlink()
+  lost = f"{bare / 'item_integrity.json'}: is missing, but the item's manifest.json says"
+  assert [str(p) for p in _integrity.errors(ck.verify(bare))][0].startswith(lost)
+  layout = template.layout
+  restore = ck.EmbeddingRestore(layout, make_mesh(layout.num_devices), AXIS)
+  with pytest.raises(ck.CorruptCheckpointError, match=re.escape(lost)):
+    ck.EmbeddingCheckpointHandler().restore(bare, restore)
+  with pytest.raises(ck.CorruptCheckpointError, match=re.escape(lost)):
+    ck.convert(bare, tmp_path / "again", "unstacked")
+  assert main(["inspect", str(bare)]) == 1
+  assert lost in capsys.readouterr().err
+
+
+def test_inspect_checks_a_step_named_through_a_link_where_it_points(root, capsys):
+  os.symlink(root / "2", root.parent / "latest")
+  for path in (root.parent / "latest", root.parent / "latest" / "embedding"):
+    assert main(["inspect", str(path)]) == 0, capsys.readouterr().err
+    assert "stack 'a__b'" in capsys.readouterr().out

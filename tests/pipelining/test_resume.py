@@ -372,7 +372,7 @@ def test_a_step_folder_renamed_by_hand_is_refused_naming_its_real_step(tmp_path,
   step_dir = tmp_path / "checkpoints" / "4"
   if manifest == "records its step":
     refusal = (r"9/integrity.json: is the integrity manifest of step 4, but its directory is"
-               r" step 9: .* put it back under that number")
+               r" step 9: its files are step 4's save .* Put it back as step 4")
   else:  # The Trainer's meta item still names it.
     integrity = json.loads((step_dir / "integrity.json").read_text())
     del integrity["step"]
