@@ -41,7 +41,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import checkpoint_managers as policies
 
-from checkpoint import _integrity, _steps, _storage
+from checkpoint import _exit, _integrity, _steps, _storage
 from checkpoint._compact import finish_interrupted_compactions
 from checkpoint._errors import (
     CheckpointError,
@@ -204,6 +204,8 @@ class CheckpointManager:
     self._manager = ocp.CheckpointManager(
         self._directory, options=options, handler_registry=_embedding_registry(embedding_item)
     )
+    if async_save and not read_only:
+      _exit.finish_at_exit(self)  # A save still running at exit is finished (_exit).
 
   @property
   def directory(self) -> epath.Path:
@@ -661,6 +663,9 @@ class CheckpointManager:
       raise
 
   def close(self) -> None:
+    """Waits for a save still being written, then releases the manager. (At
+    interpreter exit a manager left open is waited for too; see `_exit`.)"""
+    _exit.forget(self)
     self._manager.close()
 
   def __enter__(self) -> "CheckpointManager":

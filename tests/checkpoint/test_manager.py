@@ -437,3 +437,39 @@ def test_saves_and_restores_never_ask_tensorstore_for_its_leaking_metrics(tmp_pa
     restored = mngr.restore(2, items={"params": ocp.args.StandardRestore(params)})["params"]
   jax.tree.map(assert_same_bits, jax.device_get(restored), jax.device_get(params))
   assert calls == []
+
+
+_EXITS_WITHOUT_CLOSE = textwrap.dedent("""
+    import sys
+    import orbax.checkpoint as ocp
+    import checkpoint as ck
+    from ckpt_testlib import make_model
+    from sc_framework.optimizers import SGD
+
+    model = make_model([("a", 4000, 16, SGD(0.1))], seed=3)
+    layout = model.layout([["a"]], 1)
+    tables, slots = model.state(layout)
+    mngr = ck.CheckpointManager(sys.argv[1])
+    for step in range(3):
+      mngr.save(step, ck.EmbeddingSave(tables, slots, layout, model.slot_specs(layout)),
+                items={"data": ocp.args.JsonSave({"step": step})})
+    print("SAVES STARTED", flush=True)
+    """)
+
+
+def test_a_program_that_exits_without_closing_its_manager_keeps_its_last_save(tmp_path):
+  """The last background save failed at exit ("cannot schedule new futures after
+  interpreter shutdown") and left a temporary directory: a script that never closed
+  its manager lost its last checkpoint."""
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      [REPO, os.path.join(REPO, "tests", "checkpoint"), os.environ.get("PYTHONPATH", "")]),
+      JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  done = subprocess.run([sys.executable, "-c", _EXITS_WITHOUT_CLOSE, str(tmp_path / "run")],
+                        capture_output=True, text=True, env=env, timeout=300)
+  assert done.returncode == 0 and "SAVES STARTED" in done.stdout, done.stderr
+  assert "cannot schedule" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+  assert sorted(os.listdir(tmp_path / "run")) == ["0", "1", "2"]
+  with ck.CheckpointManager(tmp_path / "run", read_only=True) as mngr:
+    assert mngr.restore(2, items={"data": ocp.args.JsonRestore()})["data"] == {"step": 2}
+  assert ck.verify(tmp_path / "run") == []
