@@ -154,7 +154,8 @@ def verify_item(item: epath.PathLike) -> None:
     item = step / item.name
   manifest = step / _integrity.INTEGRITY_FILE
   if not (_integrity.is_link(manifest) or manifest.exists()):
-    _integrity.raise_for(bare_item_problems(item, "items"), f"embedding item {item}")
+    _integrity.raise_for(bare_item_problems(item, "items"), f"embedding item {item}",
+                         _integrity.ITEM_ADVICE)
     return
   what = f"checkpoint step {step.name} ({step})"
   _integrity.raise_for(_integrity.check_step(step, depth="items", items=[item.name]), what)
@@ -183,8 +184,7 @@ def bare_item_problems(item: epath.Path, depth: _integrity.Depth) -> list[_integ
     return [_integrity.Problem(
         "error", manifest,
         f"is missing, but the item's {MANIFEST_FILE} says it was written with one: the item"
-        " is incomplete (a partial copy), and its files cannot be verified. Copy it again, or"
-        " convert it again from its source.")]
+        " is incomplete (a partial copy), and its files cannot be verified")]
   return []
 
 

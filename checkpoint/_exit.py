@@ -1,28 +1,43 @@
 """Background saves finished when the interpreter exits.
 
 A `CheckpointManager` writes in the background (`async_save=True`). A
-program that ends without `close()` or a `with` block lost its last save:
+program that ended without `close()` or a `with` block lost its last save:
 Python stops the thread pools that Orbax's background save still submits
 work to, so the save failed half written ("cannot schedule new futures after
-interpreter shutdown") and left only a temporary directory. Each manager is
-registered here when opened and forgotten when closed; at exit, before those
-pools stop, every manager still open waits for its save, as `close()` would.
-A save that fails then is named in a warning (the exit goes on).
+interpreter shutdown") and left only a temporary directory. The first manager
+opened registers `_finish_saves` to run at exit before those pools stop; it
+waits for
 
-Only in a single-process job: with several processes, a save's commit waits
-for every process, and one process ending alone would wait for peers that may
-never come; such jobs close their managers (the Trainer does).
+  1. every manager still open (`wait_until_finished`, as `close()` would),
+     which reports a save that failed;
+  2. then every Orbax save thread still running: those of managers collected
+     without being closed, and those whose wait a Ctrl-C interrupted (Python
+     3.11 then takes the running thread for ended, so Orbax's own wait
+     returns at once). A thread counts as running while the interpreter
+     still has a frame for it (`sys._current_frames`), whatever its Thread
+     object says.
+
+A save that fails then, and a Ctrl-C that abandons the wait, are named on
+stderr (the exit goes on; its status is the program's). Only in a
+single-process job: with several processes a save's commit waits for every
+process, and one process ending alone would wait for peers that may never
+come; such jobs close their managers (the Trainer waits for its saves).
 """
 
 from __future__ import annotations
 
 import atexit
+import sys
 import threading
-import warnings
+import time
 import weakref
 from typing import Any
 
 import jax
+
+# Orbax's threads that write and commit a save (AsyncCheckpointer, CheckpointManager).
+_SAVE_THREADS = frozenset({"async_save", "save_finalize"})
+_SAY_AFTER_S = 1.0  # A wait this long at exit is announced.
 
 _open_managers: weakref.WeakSet = weakref.WeakSet()
 _lock = threading.Lock()
@@ -30,7 +45,7 @@ _registered = False
 
 
 def finish_at_exit(manager: Any) -> None:
-  """Has `manager.wait_until_finished()` run at interpreter exit unless it is forgotten."""
+  """Has the saves of `manager` (see the module doc) finished at interpreter exit."""
   global _registered
   with _lock:
     _open_managers.add(manager)
@@ -38,24 +53,48 @@ def finish_at_exit(manager: Any) -> None:
       # threading's exit hooks run before the thread pools shut down (atexit's run
       # after), the latest registered first; the pools registered theirs on import.
       register = getattr(threading, "_register_atexit", atexit.register)
-      register(_finish_open_saves)
+      register(_finish_saves)
       _registered = True
 
 
 def forget(manager: Any) -> None:
-  """`manager` was closed: nothing is left to finish at exit."""
+  """`manager` was closed: its saves are waited for already."""
   with _lock:
     _open_managers.discard(manager)
 
 
-def _finish_open_saves() -> None:
+def _finish_saves() -> None:
+  if jax.process_count() > 1:
+    return
   with _lock:
     managers = list(_open_managers)
-  if not managers or jax.process_count() > 1:
-    return
-  for manager in managers:
-    try:
-      manager.wait_until_finished()
-    except Exception as error:  # noqa: BLE001 - the exit goes on; the warning names it
-      warnings.warn(f"the checkpoint save in {manager.directory} still running at exit failed:"
-                    f" {type(error).__name__}: {error}", RuntimeWarning, stacklevel=1)
+  try:
+    for manager in managers:
+      try:
+        manager.wait_until_finished()
+      except Exception as error:  # noqa: BLE001 - reported; the other saves still finish
+        _say(f"the checkpoint save in {manager.directory} still running at exit failed"
+             f" ({type(error).__name__}: {error}); its step is not complete, and the"
+             " steps saved before it are kept.")
+    _wait_for_save_threads()
+  except KeyboardInterrupt:
+    _say("interrupted while a checkpoint save was finishing at exit: that save is abandoned"
+         " (the steps saved before it are kept; the next manager opened there removes what"
+         " it left).")
+
+
+def _wait_for_save_threads() -> None:
+  """Blocks while an Orbax save thread still runs (see the module doc)."""
+  current = threading.current_thread()
+  threads = [thread for thread in threading.enumerate()
+             if thread.name in _SAVE_THREADS and thread is not current]
+  start, said = time.monotonic(), False
+  while any(thread.ident in sys._current_frames() for thread in threads):
+    if not said and time.monotonic() - start > _SAY_AFTER_S:
+      _say("waiting at exit for a checkpoint save still being written (Ctrl-C abandons it).")
+      said = True
+    time.sleep(0.02)
+
+
+def _say(message: str) -> None:
+  print(f"sc-framework: {message}", file=sys.stderr, flush=True)

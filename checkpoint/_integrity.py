@@ -3,11 +3,14 @@
 A step directory written by `CheckpointManager` holds `integrity.json`:
 
   {"format": "sc_framework.step_integrity", "format_version": 2,
-   "step": the step number the directory was written as (absent where the
-           directory's name gives none),
+   "step": the step whose save the files are (absent where unknown),
+   "step_digest": CRC32C of the step's decimal digits (with "step"),
    "files": {relative path: {"size": bytes, "crc32c": int, "tail": int}
                           | {"size": bytes, "zarr_crc32c": true, "trailer": int}},
    "digest": CRC32C of the canonical JSON of "files"}
+
+("step" has a digest of its own so that readers of the format before it,
+which check "digest" over "files", still read these manifests.)
 
 "step" ties the files to their place in the root: a step directory named
 `<n>` whose manifest records another step is refused wherever it is read,
@@ -305,6 +308,7 @@ def manifest_json(files: dict[str, FileEntry], *, step: int | None) -> str:
   }
   if step is not None:
     manifest["step"] = step
+    manifest["step_digest"] = _step_digest(step)
   return json.dumps(manifest, indent=0, sort_keys=True)
 
 
@@ -365,6 +369,10 @@ def read_manifest_and_step(step_dir: epath.Path, manifest: str = INTEGRITY_FILE
     if recorded is not None and (isinstance(recorded, bool) or not isinstance(recorded, int)
                                  or recorded < 0):
       raise ValueError(f"its step {recorded!r} is not a step number")
+    if recorded is not None and data.get("step_digest") != _step_digest(recorded):
+      raise ValueError(f"the digest of its step ({recorded}) does not match it")
+    if recorded is None and "step_digest" in data:
+      raise ValueError("it has the digest of a step but no step")
     files = {rel: _entry_from_dict(entry) for rel, entry in entries.items()}
   except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
     if storage_failure(error) is not None:
@@ -432,6 +440,10 @@ def _entry_from_dict(data: dict[str, Any]) -> FileEntry:
     return FileEntry(int(data["size"]), None, None if trailer is None else int(trailer))
   tail = data.get("tail")
   return FileEntry(int(data["size"]), int(data["crc32c"]), None if tail is None else int(tail))
+
+
+def _step_digest(step: int) -> int:
+  return google_crc32c.value(str(step).encode())
 
 
 def _digest(entries: dict[str, Any]) -> int:
@@ -569,8 +581,13 @@ def errors(problems: Iterable[Problem]) -> list[Problem]:
   return [problem for problem in problems if problem.severity == "error"]
 
 
-def raise_for(problems: Iterable[Problem], what: str) -> None:
-  """Raises CorruptCheckpointError naming every error of `problems` (no-op if none)."""
+STEP_ADVICE = "restore another step (or copy this one again from a good source)"
+ITEM_ADVICE = "copy the item again, or convert it again from its source"
+
+
+def raise_for(problems: Iterable[Problem], what: str, advice: str = STEP_ADVICE) -> None:
+  """Raises CorruptCheckpointError naming every error of `problems` (no-op if none);
+  `advice`: what to do (ITEM_ADVICE for a bare item)."""
   found = errors(problems)
   if found:
     lines = "\n  ".join(str(problem) for problem in found[:20])
@@ -578,5 +595,5 @@ def raise_for(problems: Iterable[Problem], what: str) -> None:
       lines += f"\n  and {len(found) - 20} more (run `sc-checkpoint verify` for all)"
     raise CorruptCheckpointError(
         f"{what} failed its integrity check:\n  {lines}\nThe files listed are damaged, missing or"
-        " links; restore another step (or copy this one again from a good source)."
+        f" links; {advice}."
     )

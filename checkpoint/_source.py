@@ -79,7 +79,8 @@ def verify_source(
     step, items = step_of_item(item), [item.name]
   if step is None:  # A bare item (a full one: convert writes no deltas).
     problems = bare_item_problems(item, depth)
-    _integrity.raise_for(problems, f"the embedding item {item} being {purpose}")
+    _integrity.raise_for(problems, f"the embedding item {item} being {purpose}",
+                         _integrity.ITEM_ADVICE)
     return [problem for problem in problems if problem.severity == "foreign"]
   problems = _check(step, items, depth, purpose)
   # The earlier steps must have manifests too (a replaced one is named after damaged ones).

@@ -460,11 +460,12 @@ def _show_warning(command: str, message, category, filename, lineno, file=None, 
 
 
 def _one_line(message: str) -> str:
-  """A message of several lines (a list of damaged files) as one line: '; ' between items."""
+  """A message of several lines (a list of damaged files) as one line: '; ' between items
+  (a space after one that ends a sentence or introduces the list)."""
   lines = [line.strip() for line in message.splitlines() if line.strip()]
   text = lines[0] if lines else ""
   for line in lines[1:]:
-    text += (" " if text.endswith(":") else "; ") + line
+    text += (" " if text.endswith((":", ".")) else "; ") + line
   return text
 
 

@@ -11,10 +11,12 @@ class Callback:
 
   Metrics are host floats. A callback may stop training early by calling
   `trainer.request_stop()`. Each hook is called on every callback, in order,
-  even when an earlier callback's raises: every callback sees every step,
-  evaluation and save that happened (a logger still records the step another
-  callback failed on). fit then raises the first error, the others attached
-  to it as notes.
+  even when an earlier callback's raises an Exception: every callback sees
+  every step, evaluation and save that happened (a logger still records the
+  step another callback failed on). fit then raises the first error, the
+  others attached to it as notes. A KeyboardInterrupt or SystemExit from a
+  hook is raised at once (the callbacks after it are not called; those
+  before it that raised are noted on it).
   """
 
   def on_fit_start(self, trainer: Any, step: int) -> None:
@@ -61,16 +63,24 @@ def checked_callbacks(callbacks: Sequence[Callback]) -> tuple[Callback, ...]:
 
 
 def call_each(callbacks: Sequence[Callback], hook: str, *args: Any) -> None:
-  """Calls `hook(*args)` on every callback, also after one of them raised; then raises
-  the first such error, noting the others on it (see `Callback`)."""
-  first_error = None
+  """Calls `hook(*args)` on every callback, also after one of them raised an Exception;
+  then raises the first such error, noting the others on it. A KeyboardInterrupt or
+  SystemExit is raised at once, noting the errors before it (see `Callback`)."""
+  raised: list[tuple[Callback, Exception]] = []
   for callback in callbacks:
     try:
       getattr(callback, hook)(*args)
-    except BaseException as error:  # noqa: BLE001 - re-raised below
-      if first_error is None:
-        first_error = error
-      else:
-        first_error.add_note(f"{callback!r}.{hook} also raised {type(error).__name__}: {error}")
-  if first_error is not None:
-    raise first_error
+    except Exception as error:  # noqa: BLE001 - re-raised below
+      raised.append((callback, error))
+    except BaseException as stop:
+      _note(stop, hook, raised)
+      raise
+  if raised:
+    first = raised[0][1]
+    _note(first, hook, raised[1:])
+    raise first
+
+
+def _note(error: BaseException, hook: str, others: Sequence[tuple[Callback, Exception]]) -> None:
+  for callback, other in others:
+    error.add_note(f"{callback!r}.{hook} also raised {type(other).__name__}: {other}")

@@ -776,3 +776,25 @@ def test_inspect_checks_a_step_named_through_a_link_where_it_points(root, capsys
   for path in (root.parent / "latest", root.parent / "latest" / "embedding"):
     assert main(["inspect", str(path)]) == 0, capsys.readouterr().err
     assert "stack 'a__b'" in capsys.readouterr().out
+
+
+def test_a_flipped_step_number_in_the_manifest_is_damage_not_another_steps_save(root, capsys):
+  """"step" is outside "digest" (older readers check that over "files" only): a flip
+  2 -> 3 read as step 3's save, and the advice to rename the step made step 2's state
+  restore as step 3. It has a digest of its own."""
+  path = root / "2" / "integrity.json"
+  data = json.loads(path.read_text())
+  assert data["step"] == 2 and data["step_digest"] == google_crc32c.value(b"2")
+  path.write_text(path.read_text().replace('"step": 2', '"step": 3'))
+  assert main(["verify", str(root / "2")]) == 1
+  out = capsys.readouterr().out
+  assert "the digest of its step (3) does not match it" in out and "Put it back" not in out
+  for dropped, damaged in (("step", True), ("step_digest", True), ("both", False)):
+    data = {**json.loads(path.read_text()), "step": 2, "step_digest": google_crc32c.value(b"2")}
+    for key in (("step", "step_digest") if dropped == "both" else (dropped,)):
+      del data[key]
+    path.write_text(json.dumps(data))
+    assert bool(_integrity.errors(ck.verify(root / "2"))) == damaged, dropped
+  # Readers of the format before "step" check "digest" over "files" alone: still whole.
+  old = json.loads(path.read_text())
+  assert old["digest"] == google_crc32c.value(json.dumps(old["files"], sort_keys=True).encode())

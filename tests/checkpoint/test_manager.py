@@ -449,15 +449,24 @@ _EXITS_WITHOUT_CLOSE = textwrap.dedent("""
     model = make_model([("a", 4000, 16, SGD(0.1))], seed=3)
     layout = model.layout([["a"]], 1)
     tables, slots = model.state(layout)
-    mngr = ck.CheckpointManager(sys.argv[1])
-    for step in range(3):
-      mngr.save(step, ck.EmbeddingSave(tables, slots, layout, model.slot_specs(layout)),
-                items={"data": ocp.args.JsonSave({"step": step})})
+
+    def train():
+      mngr = ck.CheckpointManager(sys.argv[1])
+      for step in range(3):
+        mngr.save(step, ck.EmbeddingSave(tables, slots, layout, model.slot_specs(layout)),
+                  items={"data": ocp.args.JsonSave({"step": step})})
+      return mngr
+
+    kept = train()
+    if sys.argv[2] == "dropped":  # Collected, its last save still being written.
+      del kept
     print("SAVES STARTED", flush=True)
     """)
 
 
-def test_a_program_that_exits_without_closing_its_manager_keeps_its_last_save(tmp_path):
+@pytest.mark.parametrize("manager", ["left open", "dropped"])
+def test_a_program_that_exits_without_closing_its_manager_keeps_its_last_save(tmp_path,
+                                                                              manager):
   """The last background save failed at exit ("cannot schedule new futures after
   interpreter shutdown") and left a temporary directory: a script that never closed
   its manager lost its last checkpoint."""
@@ -465,8 +474,9 @@ def test_a_program_that_exits_without_closing_its_manager_keeps_its_last_save(tm
       [REPO, os.path.join(REPO, "tests", "checkpoint"), os.environ.get("PYTHONPATH", "")]),
       JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)
-  done = subprocess.run([sys.executable, "-c", _EXITS_WITHOUT_CLOSE, str(tmp_path / "run")],
-                        capture_output=True, text=True, env=env, timeout=300)
+  done = subprocess.run(
+      [sys.executable, "-c", _EXITS_WITHOUT_CLOSE, str(tmp_path / "run"), manager.split()[0]],
+      capture_output=True, text=True, env=env, timeout=300)
   assert done.returncode == 0 and "SAVES STARTED" in done.stdout, done.stderr
   assert "cannot schedule" not in done.stderr and "Traceback" not in done.stderr, done.stderr
   assert sorted(os.listdir(tmp_path / "run")) == ["0", "1", "2"]

@@ -699,3 +699,28 @@ def test_every_callback_sees_the_event_another_callback_raised_on(hook, tmp_path
   assert [name for name, step in seen if step == stopped] == ["first", "second", "third"]
   assert max(step for _, step in seen) == stopped
   assert any("third failed" in note for note in error.value.__notes__)
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, SystemExit])
+def test_an_interrupt_from_a_callback_is_raised_at_once_over_earlier_errors(stop):
+  """After a ValueError from one callback, another's Ctrl-C (or sys.exit) became a note on
+  the ValueError: `except KeyboardInterrupt` never saw it, and the exit status was 1."""
+  trainer = Trainer(LinearHead(), make_specs(SGD(SPARSE_LR)), mse, optax.sgd(DENSE_LR),
+                    mesh=mesh_of(1), progress="off", padding_id=-1, eval_metrics=())
+  called = []
+
+  class Raise(Callback):
+    def __init__(self, name, error):
+      self.name, self.error = name, error
+
+    def on_step_end(self, trainer, step, metrics):
+      called.append(self.name)
+      if step == 2 and self.error is not None:
+        raise self.error(f"{self.name} at {step}")
+
+  callbacks = [Raise("first", ValueError), Raise("second", stop), Raise("third", None)]
+  with pytest.raises(stop) as raised:
+    trainer.fit(make_batches(4, seed=53), callbacks=callbacks)
+  assert called == ["first", "second", "third", "first", "second"]  # the third not at step 2
+  assert any("ValueError: first at 2" in note for note in raised.value.__notes__)
+  assert int(trainer.state.step) == 2
