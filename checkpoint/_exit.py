@@ -53,7 +53,10 @@ def finish_at_exit(manager: Any) -> None:
       # threading's exit hooks run before the thread pools shut down (atexit's run
       # after), the latest registered first; the pools registered theirs on import.
       register = getattr(threading, "_register_atexit", atexit.register)
-      register(_finish_saves)
+      try:
+        register(_finish_saves)
+      except RuntimeError:  # Opened while the interpreter exits: too late to wait at exit.
+        return
       _registered = True
 
 
