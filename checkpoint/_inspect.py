@@ -21,7 +21,7 @@ from typing import Any
 
 from etils import epath
 
-from checkpoint._errors import NotACheckpointError
+from checkpoint._errors import CheckpointError, CheckpointReadError, NotACheckpointError
 from checkpoint._format import MANIFEST_FILE
 from checkpoint._chain import ChainReader, chain_summary, open_reader, save_id_of
 from checkpoint import _integrity
@@ -121,7 +121,9 @@ def inspect(path: epath.PathLike) -> dict[str, Any]:
   """Describes an embedding item, an Orbax step directory or a manager root.
 
   Returns:
-    A JSON-friendly dict: for a root, {"steps", "latest_step", "step": ...};
+    A JSON-friendly dict: for a root, {"steps", "latest_step", "unfinished",
+    "incomplete", "unreadable", "latest"} ("latest" describes the newest step
+    that can be read, "latest_step"; "unreadable" names each newer one and why);
     for a step, {"step", "items", "embedding": describe_item(...)} (the
     embedding entry absent if the step has none); for an item,
     describe_item(...).
@@ -164,17 +166,31 @@ def inspect(path: epath.PathLike) -> dict[str, Any]:
         f" metadata or {_integrity.INTEGRITY_FILE}, and no complete step directories."
         + (f" Incomplete: {skipped}" if skipped else "")
     )
-  latest = next(
-      child for child in children if _step_of(child) == steps[-1] and _TMP_MARK not in child.name
-  )
+  # The newest step that can be described, as a restore of the latest takes the newest
+  # that restores: a step whose delta chain is broken is named, not the end of the listing.
+  unreadable: dict[str, str] = {}
+  for step in reversed(steps):
+    child = next(child for child, number in candidates.items() if number == step)
+    try:
+      latest = inspect(child)
+      break
+    except CheckpointReadError:
+      raise  # The storage refused or failed a read: nothing says the step is damaged.
+    except CheckpointError as error:
+      unreadable[child.name] = str(error)
+  else:
+    raise NotACheckpointError(
+        f"{path} holds no step that can be described: "
+        + "; ".join(f"step {name}: {why}" for name, why in unreadable.items()))
   unfinished = sorted(child.name for child in children if _TMP_MARK in child.name)
   return {
       "path": str(path),
       "steps": steps,
-      "latest_step": steps[-1],
+      "latest_step": step,
       "unfinished": unfinished,
       "incomplete": {child.name: why for child, why in sorted(incomplete.items()) if why},
-      "latest": inspect(latest),
+      "unreadable": unreadable,
+      "latest": latest,
   }
 
 
@@ -206,6 +222,8 @@ def format_description(info: dict[str, Any]) -> str:
       lines.append(f"  unfinished (temporary) saves: {info['unfinished']}")
     for name, why in info.get("incomplete", {}).items():
       lines.append(f"  incomplete step {name} (skipped): {why}")
+    for name, why in info.get("unreadable", {}).items():
+      lines.append(f"  step {name} cannot be read (skipped): {why}")
     lines.append("")
     return "\n".join(lines) + format_description(info["latest"])
   if "items" in info:

@@ -85,7 +85,7 @@ def verify_source(
   problems = _check(step, items, depth, purpose)
   # The earlier steps must have manifests too (a replaced one is named after damaged ones).
   for link, _ in walk_chain(item, check_ids=False)[:-1]:
-    _require_manifest(link.parent)
+    _require_manifest(link.parent, purpose, f", an earlier step of the delta chain of {item},")
   earlier_depth: Depth = "structure" if depth == "structure" else "full"
   _integrity.raise_for(chain_problems(item, earlier_depth),
                        f"the delta chain of {item} being {purpose} (its earlier steps)")
@@ -103,19 +103,21 @@ def step_of_item(item: epath.Path) -> epath.Path | None:
 
 def _check(step: epath.Path, items: list[str] | None, depth: Depth,
            purpose: str) -> list[Problem]:
-  _require_manifest(step)
+  _require_manifest(step, purpose)
   problems = _integrity.check_step(step, depth=depth, items=items)
   _integrity.raise_for(problems, f"the checkpoint step {step} being {purpose}")
   return problems
 
 
-def _require_manifest(step: epath.Path) -> None:
+def _require_manifest(step: epath.Path, purpose: str, role: str = "") -> None:
+  """Raises NotACheckpointError unless `step` has an integrity manifest; `role`: how
+  the step relates to the source (", an earlier step of ...,"), for the message."""
   integrity = step / _integrity.INTEGRITY_FILE
   if not _integrity.is_link(step) and not _integrity.is_link(integrity) and not integrity.exists():
     raise NotACheckpointError(
-        f"checkpoint step {step} has no {_integrity.INTEGRITY_FILE} (written by a version without"
-        " integrity checks, or copied without it), so its files cannot be verified; it is not"
-        " converted, as it is not restored. Check it and write its manifest with"
+        f"checkpoint step {step}{role} has no {_integrity.INTEGRITY_FILE} (written by a version"
+        " without integrity checks, or copied without it), so its files cannot be verified; it"
+        f" is not {purpose}, as it is not restored. Check it and write its manifest with"
         f" `sc-checkpoint verify --adopt {step}` (the step directory must be named by its step"
-        " number), then convert again."
+        " number), then try again."
     )

@@ -228,6 +228,21 @@ def test_compact_of_a_step_whose_manifest_was_swapped_or_lost_is_refused(tmp_pat
   assert sorted(str(p.relative_to(delta_root)) for p in delta_root.rglob("*")) == before
 
 
+@pytest.mark.filterwarnings("ignore:checkpoint step .* is skipped:RuntimeWarning")
+def test_inspect_of_a_root_describes_the_newest_step_whose_chain_can_be_read(tmp_path, capsys):
+  """A delta's earlier step that lost its integrity.json made `inspect ROOT` fail whole,
+  in convert's words, although restores fall back past that delta."""
+  _, _, delta_root, _, _ = _train_side_by_side(tmp_path, 2, steps=4)
+  (delta_root / "2" / "integrity.json").unlink()
+  assert cli.main(["inspect", str(delta_root)]) == 0
+  out = capsys.readouterr().out
+  assert "steps: [0, 1, 3]  latest: 1" in out, out
+  assert (f"step 3 cannot be read (skipped): checkpoint step {delta_root / '2'}, an earlier"
+          f" step of the delta chain of {delta_root / '3' / 'embedding'}, has no") in out
+  assert cli.main(["inspect", str(delta_root / "3")]) == 1
+  assert "it is not inspected, as it is not restored" in capsys.readouterr().err
+
+
 def test_verify_of_a_step_follows_its_chain(tmp_path):
   _, _, delta_root, _, _ = _train_side_by_side(tmp_path, 2, steps=4)
   assert not [p for p in ck.verify(delta_root / "3") if p.severity == "error"]
