@@ -47,7 +47,7 @@ from checkpoint._format import (
     LAYOUT_FILE,
     MANIFEST_FILE,
     Manifest,
-    declares_item_integrity,
+    declared_flag,
     read_layout,
     read_save_id,
 )
@@ -133,9 +133,13 @@ def verify_item(item: epath.PathLike) -> None:
   `CheckpointManager` writes) is checked at depth 'items': every file of
   the item against the manifest, so also chunks saved without the crc32c
   codec (`StorageOptions(checksum="none")`); then the earlier steps of its
-  delta chain against theirs. A bare item, or one in a step without a
-  manifest (written by Orbax's own managers), has nothing to be checked
-  against: its chunks' crc32c codec is checked as they are read.
+  delta chain against theirs. A bare item written by `convert` is checked
+  against its own manifest (`bare_item_problems`). An item in a step without
+  a manifest is refused where its manifest.json says it was saved into a
+  step that got one ("step_integrity": the step lost it); otherwise (a step
+  written by Orbax's own managers, or an item written before items carried
+  either record) it has nothing to be checked against: its chunks' crc32c
+  codec is checked as they are read.
 
   A step named through a symbolic link to it (a `latest` link beside the
   steps, say) is checked where the link points; links inside the step are
@@ -154,6 +158,12 @@ def verify_item(item: epath.PathLike) -> None:
     item = step / item.name
   manifest = step / _integrity.INTEGRITY_FILE
   if not (_integrity.is_link(manifest) or manifest.exists()):
+    if (step / _integrity.ORBAX_STEP_METADATA).exists() and _declared(item, "step_integrity"):
+      raise CorruptCheckpointError(
+          f"{step} has no {_integrity.INTEGRITY_FILE}, but its item {item} was saved by a"
+          " CheckpointManager, which writes one into every step it commits: the step lost it"
+          " (a partial copy, or a deletion), so its files cannot be verified. Restore another"
+          " step, or copy this one again from its source.")
     _integrity.raise_for(bare_item_problems(item, "items"), f"embedding item {item}",
                          _integrity.ITEM_ADVICE)
     return
@@ -180,7 +190,7 @@ def bare_item_problems(item: epath.Path, depth: _integrity.Depth) -> list[_integ
   manifest = item / _integrity.ITEM_INTEGRITY_FILE
   if _integrity.is_link(manifest) or manifest.exists():
     return _integrity.check_step(item, depth=depth, manifest=_integrity.ITEM_INTEGRITY_FILE)
-  if _declares_item_integrity(item):
+  if _declared(item, "item_integrity"):
     return [_integrity.Problem(
         "error", manifest,
         f"is missing, but the item's {MANIFEST_FILE} says it was written with one: the item"
@@ -188,12 +198,15 @@ def bare_item_problems(item: epath.Path, depth: _integrity.Depth) -> list[_integ
   return []
 
 
-def _declares_item_integrity(item: epath.Path) -> bool:
-  """Whether an item's manifest.json says it holds item_integrity.json (False where the
-  manifest cannot be read: opening the item reports that)."""
+def _declared(item: epath.Path, flag: str) -> bool:
+  """An item's manifest.json's "item_integrity" or "step_integrity" (`_format`; a
+  delta's in the state it records); False where the manifest cannot be read (opening
+  the item reports that)."""
   try:
     data = json.loads((item / MANIFEST_FILE).read_text())
-    return isinstance(data, dict) and declares_item_integrity(data)
+    if is_delta_manifest(data):
+      data = data.get("state")
+    return isinstance(data, dict) and declared_flag(data, flag)
   except (OSError, ValueError):
     return False
 

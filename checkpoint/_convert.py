@@ -232,7 +232,7 @@ def convert(
     else:
       out = tmp
     # What the output's manifest.json says of the save besides its arrays.
-    stamp = {"save_id": save_id, "item_integrity": out == tmp}
+    stamp = {"save_id": save_id, "item_integrity": out == tmp, "step_integrity": out != tmp}
     if target == "unstacked":
       _write_unstacked(reader, out, storage, block_bytes, cache.max_bytes, progress, table_dtype,
                        stamp)

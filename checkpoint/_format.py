@@ -32,7 +32,10 @@ than read as the delta's base (`_chain.walk_chain`).
 step by `convert`, which holds a manifest of its own files
 (`item_integrity.json`, see `checkpoint._integrity`): an item saying so
 without that file lost it, and is not read as an item written before items
-carried one.
+carried one. "step_integrity" (likewise) marks an item saved into a step that
+gets an integrity manifest (by a `CheckpointManager`, or `convert`): such an
+item in a step directory without `integrity.json` is in a step that lost it,
+not in one written by Orbax's own managers, and is not read unchecked.
 """
 
 from __future__ import annotations
@@ -101,8 +104,9 @@ class Manifest:
   storage: StorageOptions
   # Which save, not what is stored: manifests of the same arrays compare equal.
   save_id: str | None = dataclasses.field(default=None, compare=False)
-  # Whether the item holds its own integrity manifest (see the module doc).
+  # Whether the item holds its own integrity manifest, or its step does (the module doc).
   item_integrity: bool = dataclasses.field(default=False, compare=False)
+  step_integrity: bool = dataclasses.field(default=False, compare=False)
 
   def group(self, name: str) -> GroupInfo:
     for group in self.groups:
@@ -124,8 +128,9 @@ class Manifest:
     }
     if self.save_id is not None:  # Absent where unknown, as in older checkpoints.
       out["save_id"] = self.save_id
-    if self.item_integrity:
-      out["item_integrity"] = True
+    for key in ("item_integrity", "step_integrity"):
+      if getattr(self, key):
+        out[key] = True
     return out
 
   @classmethod
@@ -172,10 +177,10 @@ class Manifest:
         raise ValueError(f"duplicate group names in {names}")
       storage = StorageOptions.from_dict(data["storage"])
       save_id = read_save_id(data)
-      item_integrity = declares_item_integrity(data)
+      flags = [declared_flag(data, key) for key in ("item_integrity", "step_integrity")]
     except (KeyError, TypeError, ValueError) as error:
       raise NotACheckpointError(f"{where}: malformed manifest ({error!r}).") from error
-    return cls(kind, tuple(groups), storage, save_id, item_integrity)
+    return cls(kind, tuple(groups), storage, save_id, *flags)
 
   def to_json(self) -> str:
     return json.dumps(self.to_dict(), indent=1, sort_keys=True)
@@ -201,11 +206,11 @@ def read_layout(path: epath.Path,
     raise error(f"{path}: invalid layout: {cause}") from cause
 
 
-def declares_item_integrity(data: dict[str, Any]) -> bool:
-  """Whether a parsed manifest says its item holds its own integrity manifest."""
-  value = data.get("item_integrity", False)
+def declared_flag(data: dict[str, Any], key: str) -> bool:
+  """A parsed manifest's "item_integrity" or "step_integrity" (see the module doc)."""
+  value = data.get(key, False)
   if not isinstance(value, bool):
-    raise ValueError(f"item_integrity {value!r} is not true or false")
+    raise ValueError(f"{key} {value!r} is not true or false")
   return value
 
 

@@ -149,6 +149,11 @@ class EmbeddingSave(ocp.args.CheckpointArgs):
     save_id: the id this save records in its manifest (`_format`'s
       "save_id"); None (default) draws a new one. A `CheckpointManager`
       sets it, to remember which save its next delta goes on top of.
+    step_integrity: whether the step the item is saved into gets an
+      integrity manifest (`_format`'s "step_integrity"). A
+      `CheckpointManager` sets it: a restore of the item then refuses a step
+      that lost its integrity.json, which one written by Orbax's own managers
+      never had.
   """
 
   tables: Mapping[str, jax.Array]
@@ -159,6 +164,7 @@ class EmbeddingSave(ocp.args.CheckpointArgs):
   delta: _delta.Delta | None = None
   optimizers: Mapping[str, OptimizerSpec] | None = None
   save_id: str | None = None
+  step_integrity: bool = False
 
 
 @ocp.args.register_with_handler(EmbeddingCheckpointHandler, for_restore=True)

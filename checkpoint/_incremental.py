@@ -169,8 +169,10 @@ class IncrementalSaves:
     """
     if save_kind not in ("auto", "full", "delta"):
       raise ValueError(f"save_kind must be 'auto', 'full' or 'delta', got {save_kind!r}.")
-    # This save's id, remembered: the next delta records it as its parent's.
-    embedding = dataclasses.replace(embedding, save_id=embedding.save_id or new_save_id())
+    # This save's id, remembered: the next delta records it as its parent's. Its
+    # step gets an integrity manifest (the manager's commit writes it).
+    embedding = dataclasses.replace(embedding, save_id=embedding.save_id or new_save_id(),
+                                    step_integrity=True)
     if self._open is not None and not (self.item_dir(self._open[0]) / MANIFEST_FILE).exists():
       self._open = None  # The parent is gone (deleted, or its save failed): start a chain.
     if save_kind == "delta" and (self.policy is None or updated_rows is None or self._open is None):

@@ -123,7 +123,8 @@ def state_manifest(args) -> Manifest:
   dtypes = {(name, None): np.dtype(array.dtype) for name, array in args.tables.items()}
   for stack, group in args.slots.items():
     dtypes.update({(stack, slot): np.dtype(array.dtype) for slot, array in group.items()})
-  return stacked_manifest(args.layout, dtypes, specs, args.storage, names)
+  manifest = stacked_manifest(args.layout, dtypes, specs, args.storage, names)
+  return dataclasses.replace(manifest, step_integrity=bool(args.step_integrity))
 
 
 def stacked_manifest(

@@ -243,6 +243,16 @@ def test_inspect_of_a_root_describes_the_newest_step_whose_chain_can_be_read(tmp
   assert "it is not inspected, as it is not restored" in capsys.readouterr().err
 
 
+def test_the_handler_refuses_a_delta_whose_step_lost_its_integrity_manifest(tmp_path):
+  """A delta records, in the state it keeps, that its step was given one."""
+  _, _, delta_root, _, _ = _train_side_by_side(tmp_path, 2, steps=3)
+  item = delta_root / "2" / "embedding"
+  assert json.loads((item / "manifest.json").read_text())["state"]["step_integrity"] is True
+  (delta_root / "2" / "integrity.json").unlink()
+  with pytest.raises(ck.CorruptCheckpointError, match=r"2 has no integrity.json, but its item"):
+    ck.EmbeddingCheckpointHandler().restore(item, ck.TableRestore())
+
+
 def test_verify_of_a_step_follows_its_chain(tmp_path):
   _, _, delta_root, _, _ = _train_side_by_side(tmp_path, 2, steps=4)
   assert not [p for p in ck.verify(delta_root / "3") if p.severity == "error"]

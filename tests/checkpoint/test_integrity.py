@@ -10,6 +10,7 @@ import shutil
 import warnings
 
 import google_crc32c
+import jax
 import numpy as np
 from etils import epath
 import optax
@@ -798,3 +799,39 @@ def test_a_flipped_step_number_in_the_manifest_is_damage_not_another_steps_save(
   # Readers of the format before "step" check "digest" over "files" alone: still whole.
   old = json.loads(path.read_text())
   assert old["digest"] == google_crc32c.value(json.dumps(old["files"], sort_keys=True).encode())
+
+
+def test_the_handler_refuses_an_item_whose_step_lost_its_integrity_manifest(root, template,
+                                                                           tmp_path):
+  """The handler's restore took a step without integrity.json for one written by Orbax's
+  own managers and read it unchecked: with two of its chunks swapped as well, it
+  restored wrong values. The item records that its step was given one."""
+  item = root / "2" / "embedding"
+  assert json.loads((item / "manifest.json").read_text())["step_integrity"] is True
+  (root / "2" / "integrity.json").unlink()
+  chunks = sorted(p for p in (item / "stacks" / "a__b" / "table" / "c").rglob("*")
+                  if p.is_file())
+  first, second = chunks[0].read_bytes(), chunks[1].read_bytes()
+  assert len(first) == len(second) and first != second
+  chunks[0].write_bytes(second), chunks[1].write_bytes(first)
+  layout = template.layout
+  restore = ck.EmbeddingRestore(layout, make_mesh(layout.num_devices), AXIS)
+  with pytest.raises(ck.CorruptCheckpointError,
+                     match=rf"{re.escape(str(root / '2'))} has no integrity.json, but its item"):
+    ck.EmbeddingCheckpointHandler().restore(item, restore)
+  # An item copied out of its step on its own reads as before (its chunks' checksums).
+  shutil.copytree(item, tmp_path / "copied")
+  ck.EmbeddingCheckpointHandler().restore(tmp_path / "copied", restore)
+  # A step of Orbax's own manager, with this handler, never had one: read as before.
+  rows = jax.sharding.NamedSharding(make_mesh(layout.num_devices),
+                                    jax.sharding.PartitionSpec(AXIS, None))
+  tables = {"a__b": jax.device_put(template.oracle[2]["tables"]["a__b"], rows)}
+  slots = {"a__b": {name: jax.device_put(array, rows)
+                    for name, array in template.oracle[2]["slots"]["a__b"].items()}}
+  with ocp.CheckpointManager(tmp_path / "orbax") as orbax_manager:
+    orbax_manager.save(5, args=ocp.args.Composite(
+        embedding=ck.EmbeddingSave(tables, slots, layout, template.slot_specs)))
+  orbax_item = tmp_path / "orbax" / "5" / "embedding"
+  assert "step_integrity" not in json.loads((orbax_item / "manifest.json").read_text())
+  restored = ck.EmbeddingCheckpointHandler().restore(orbax_item, restore)
+  assert_same_bits(restored.tables["a__b"], tables["a__b"])
