@@ -119,11 +119,10 @@ def test_peak_memory_is_bounded_by_the_block_size_not_the_table(tmp_path, monkey
   write_manifest = _integrity.write_manifest
 
   def measured_write_manifest(directory, **kwargs):
-    """The output's integrity manifest, last: its own bookkeeping per file written."""
-    current, measured["conversion"] = tracemalloc.get_traced_memory()
-    tracemalloc.reset_peak()
+    """The peak up to the output's integrity manifest, written last: a list of every
+    file written (a step's manifest lists as many), not data held per block."""
+    measured["conversion"] = tracemalloc.get_traced_memory()[1]
     write_manifest(directory, **kwargs)
-    measured["manifest"] = tracemalloc.get_traced_memory()[1] - current
 
   monkeypatch.setattr(_integrity, "write_manifest", measured_write_manifest)
   tracemalloc.start()
@@ -133,7 +132,4 @@ def test_peak_memory_is_bounded_by_the_block_size_not_the_table(tmp_path, monkey
     tracemalloc.stop()
   # The chunk cache (8 blocks), a few blocks in flight, row indices, listings.
   assert measured["conversion"] < 16 * block_bytes + (512 << 10) < size / 4, (measured, size)
-  # The manifest lists every file written (as a step's does): a bounded cost per file.
-  files = sum(1 for f in (tmp_path / "dst").rglob("*") if f.is_file())
-  assert measured["manifest"] < 2048 * files < size / 2, (measured, files)
   _check_tables(model, tmp_path / "dst")
