@@ -158,12 +158,7 @@ def verify_item(item: epath.PathLike) -> None:
     item = step / item.name
   manifest = step / _integrity.INTEGRITY_FILE
   if not (_integrity.is_link(manifest) or manifest.exists()):
-    if (step / _integrity.ORBAX_STEP_METADATA).exists() and _declared(item, "step_integrity"):
-      raise CorruptCheckpointError(
-          f"{step} has no {_integrity.INTEGRITY_FILE}, but its item {item} was saved by a"
-          " CheckpointManager, which writes one into every step it commits: the step lost it"
-          " (a partial copy, or a deletion), so its files cannot be verified. Restore another"
-          " step, or copy this one again from its source.")
+    raise_if_step_lost_its_manifest(item)
     _integrity.raise_for(bare_item_problems(item, "items"), f"embedding item {item}",
                          _integrity.ITEM_ADVICE)
     return
@@ -172,6 +167,20 @@ def verify_item(item: epath.PathLike) -> None:
   _integrity.raise_for(
       chain_problems(item, "items"),
       f"the delta chain of checkpoint step {step.name} (its earlier steps; {step})")
+
+
+def raise_if_step_lost_its_manifest(item: epath.Path) -> None:
+  """Raises CorruptCheckpointError when `item` lies in a step directory without an
+  integrity manifest although its manifest.json says its step was given one
+  ("step_integrity", `_format`): the step lost it, and its files cannot be checked."""
+  step = item.parent
+  if (not (step / _integrity.INTEGRITY_FILE).exists()
+      and (step / _integrity.ORBAX_STEP_METADATA).exists() and _declared(item, "step_integrity")):
+    raise CorruptCheckpointError(
+        f"{step} has no {_integrity.INTEGRITY_FILE}, but its item {item} was saved by a"
+        " CheckpointManager, which writes one into every step it commits: the step lost it"
+        " (a partial copy, or a deletion), so its files cannot be verified. Restore another"
+        " step, or copy this one again from its source.")
 
 
 def bare_item_problems(item: epath.Path, depth: _integrity.Depth) -> list[_integrity.Problem]:

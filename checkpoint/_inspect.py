@@ -9,9 +9,10 @@ What it describes is read from the item's JSON files, so those are checked
 first against the integrity manifest of the step holding them (sizes and
 checksums, as `verify_source` does at the structure depth), and the earlier
 steps of a delta chain likewise: a damaged step is refused, never described
-as saved; a bare item is checked against its own manifest. A step without
-an integrity manifest (written by an older version, or not yet adopted) is
-described as it is.
+as saved; a bare item is checked against its own manifest. A step that lost
+its integrity manifest is refused too (its item records that it had one); a
+step that never had one (written by an older version or by Orbax's own
+managers, or not yet adopted) is described as it is.
 """
 
 from __future__ import annotations
@@ -23,7 +24,13 @@ from etils import epath
 
 from checkpoint._errors import CheckpointError, CheckpointReadError, NotACheckpointError
 from checkpoint._format import MANIFEST_FILE
-from checkpoint._chain import ChainReader, chain_summary, open_reader, save_id_of
+from checkpoint._chain import (
+    ChainReader,
+    chain_summary,
+    open_reader,
+    raise_if_step_lost_its_manifest,
+    save_id_of,
+)
 from checkpoint import _integrity
 from checkpoint._integrity import is_link
 from checkpoint._optimizers import common_name
@@ -210,6 +217,8 @@ def _check_step_holding(src: epath.Path, item: epath.Path | None) -> None:
   if step is None or is_link(step / _integrity.INTEGRITY_FILE) or (
       step / _integrity.INTEGRITY_FILE).exists():
     verify_source(src, item, depth="structure", purpose="inspected")
+  elif item is not None:
+    raise_if_step_lost_its_manifest(item)
 
 
 def format_description(info: dict[str, Any]) -> str:

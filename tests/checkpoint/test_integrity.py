@@ -816,9 +816,12 @@ def test_the_handler_refuses_an_item_whose_step_lost_its_integrity_manifest(root
   chunks[0].write_bytes(second), chunks[1].write_bytes(first)
   layout = template.layout
   restore = ck.EmbeddingRestore(layout, make_mesh(layout.num_devices), AXIS)
-  with pytest.raises(ck.CorruptCheckpointError,
-                     match=rf"{re.escape(str(root / '2'))} has no integrity.json, but its item"):
+  lost = rf"{re.escape(str(root / '2'))} has no integrity.json, but its item"
+  with pytest.raises(ck.CorruptCheckpointError, match=lost):
     ck.EmbeddingCheckpointHandler().restore(item, restore)
+  for path in (root / "2", item):
+    with pytest.raises(ck.CorruptCheckpointError, match=lost):
+      ck.inspect(path)
   # An item copied out of its step on its own reads as before (its chunks' checksums).
   shutil.copytree(item, tmp_path / "copied")
   ck.EmbeddingCheckpointHandler().restore(tmp_path / "copied", restore)
