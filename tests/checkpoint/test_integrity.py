@@ -634,9 +634,10 @@ def test_verify_names_a_link_in_place_of_a_commit_file(root, tmp_path):
 @pytest.mark.parametrize("swapped", ["the step directories", "their integrity.json"])
 def test_steps_whose_directories_or_manifests_were_swapped_are_not_read_as_each_other(
     root, template, swapped, capsys):
-  """Each swapped step is a complete save whose files all match its manifest (a botched
-  rename or sync): restore, the handler, verify and convert took step 1's state as
-  step 2's. The manifest records the step it was written as."""
+  """Swapped step directories are complete saves whose files all match their manifests
+  (a botched rename or sync): restore, the handler, verify and convert took step 1's
+  state as step 2's. The manifest records the step whose save it lists; with only the
+  manifests swapped, the files fail them and each step is incomplete."""
   assert [json.loads((root / str(step) / "integrity.json").read_text())["step"]
           for step in (1, 2)] == [1, 2]
   what = "" if swapped == "the step directories" else "integrity.json"
