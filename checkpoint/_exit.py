@@ -30,6 +30,7 @@ import atexit
 import sys
 import threading
 import time
+import warnings
 import weakref
 from typing import Any
 
@@ -58,6 +59,25 @@ def finish_at_exit(manager: Any) -> None:
       except RuntimeError:  # Opened while the interpreter exits: too late to wait at exit.
         return
       _registered = True
+
+
+def finish_saves_into(directory: Any) -> None:
+  """Waits for the saves of this process's open managers of `directory`.
+
+  A manager opened on a directory removes the temporary directories of
+  unfinished saves there: one that another manager of this process is still
+  writing (a Trainer whose fit raised, with its save in flight) must be
+  finished first, not removed under it. One that fails is named in a warning
+  (it is that manager's failure, not the opening's).
+  """
+  with _lock:
+    managers = [manager for manager in _open_managers if manager.directory == directory]
+  for manager in managers:
+    try:
+      manager.wait_until_finished()
+    except Exception as error:  # noqa: BLE001 - that manager's failure, named
+      warnings.warn(f"a save into {directory} by another manager of this process failed:"
+                    f" {type(error).__name__}: {error}", RuntimeWarning, stacklevel=3)
 
 
 def forget(manager: Any) -> None:

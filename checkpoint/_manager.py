@@ -170,6 +170,8 @@ class CheckpointManager:
     self._warn_skipped = _steps.SkipWarnings()
     self._read_only = read_only
     if not read_only:
+      # A save this process still writes there is not an unfinished one to remove.
+      _exit.finish_saves_into(self._directory)
       # Compactions first: a killed one leaves `<step>.compacting` plus a temporary
       # suffix, which it removes, and which would otherwise be warned about as foreign.
       finish_interrupted_compactions(self._directory)

@@ -483,3 +483,28 @@ def test_a_program_that_exits_without_closing_its_manager_keeps_its_last_save(tm
   with ck.CheckpointManager(tmp_path / "run", read_only=True) as mngr:
     assert mngr.restore(2, items={"data": ocp.args.JsonRestore()})["data"] == {"step": 2}
   assert ck.verify(tmp_path / "run") == []
+
+
+def test_a_manager_opened_where_another_of_this_process_is_saving_waits_for_that_save(
+    tmp_path, monkeypatch):
+  """It removed the other manager's save in progress as an unfinished one (a Trainer
+  whose fit raised with a save in flight, and a new Trainer on the same workdir)."""
+  from checkpoint import _integrity
+  write_manifest = _integrity.write_manifest
+
+  def slow_write_manifest(*args, **kwargs):
+    time.sleep(1.0)  # The step's files are written; its commit is still to come.
+    write_manifest(*args, **kwargs)
+
+  monkeypatch.setattr(_integrity, "write_manifest", slow_write_manifest)
+  first = ck.CheckpointManager(tmp_path / "run")
+  first.save(4, items={"data": ocp.args.JsonSave({"step": 4})})
+  assert any(".orbax-checkpoint-tmp" in name for name in os.listdir(tmp_path / "run"))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # Nothing unfinished, nothing foreign.
+    second = ck.CheckpointManager(tmp_path / "run")
+  assert second.all_steps() == [4]
+  assert second.restore(4, items={"data": ocp.args.JsonRestore()})["data"] == {"step": 4}
+  first.wait_until_finished()
+  first.close(), second.close()
+  assert ck.verify(tmp_path / "run") == []
