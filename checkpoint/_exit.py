@@ -22,6 +22,10 @@ stderr (the exit goes on; its status is the program's). Only in a
 single-process job: with several processes a save's commit waits for every
 process, and one process ending alone would wait for peers that may never
 come; such jobs close their managers (the Trainer waits for its saves).
+
+The same registry serves `finish_saves_into`: a manager opened on a directory
+first waits for the saves this process's other managers still write there,
+which it would otherwise remove as unfinished.
 """
 
 from __future__ import annotations
