@@ -10,19 +10,24 @@ compiler):
 
   floor lookup  out[sample] += table[row] for every entry, in entry order:
                 one table row read per entry, as our lookup reads them.
-  floor update  w <- w - 1e-6 * w for every touched row (and its row-wise
+  touch rows    w <- w - 1e-6 * w for every touched row (and its row-wise
                 slot), in the batch's sorted row order: one read and one
                 write per touched row, as our update must do. It reads no
-                gradients and groups no entries, so it is below any real
-                update.
+                gradients and groups no entries.
+  floor update  touch rows, plus the read of every entry's gradient row
+                (w <- w - 1e-6 * sum_e gain_e * grad[sample_e] over the
+                row's entries), which any update must read; the entries
+                are grouped by row before the timing, so it is below any
+                real update.
   prep          `preprocess` of the raw batch + jax.device_put (host work the
                 floor cannot remove: TorchRec does it inside its step).
 
-Both floors use the same threads (one per core) and row prefetching as our
+The floors use the same threads (one per core) and row prefetching as our
 kernels. The floor of the whole step is floor lookup + floor update; the
-table's ratios say how far ours is above it. With bench_vs_torchrec.py's
-TorchRec time T, no step on this machine that reads and writes those rows
-gets end to end below (floor step + prep) / T.
+table's ratios say how far ours is above it. Where TorchRec is installed (as
+for bench_vs_torchrec.py), its training step on the same batch is timed in
+the same rounds, T: no step on this machine that reads those rows and
+gradients gets end to end below (floor step + prep) / T, the "bound" column.
 
 Configuration: 26 tables x 100,000 rows x dim 64, batch 4,096, 1-20 uniform
 ids per sample, sum combiner (--quick: 8 tables x 50,000 rows, batch 1,024),
@@ -51,12 +56,14 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks._common import parse_args, print_table, time_interleaved, write_json  # noqa: E402
-from benchmarks.bench_vs_torchrec import LEARNING_RATE, Ours, make_batch  # noqa: E402
+from benchmarks.bench_vs_torchrec import (  # noqa: E402
+    LEARNING_RATE, Ours, TorchRec, _torchrec_missing, make_batch)
 from sc_framework.host_allocator import keep_freed_memory  # noqa: E402
 from sc_framework.primitives._row_ops import cpu_kernels_build  # noqa: E402
 from sc_framework.optimizers import SGD, RowWiseAdagrad  # noqa: E402
 from sc_framework.primitives import apply_stacked_gradients, stacked_lookup  # noqa: E402
 
+OPTIMIZER_NAMES = {SGD: "sgd", RowWiseAdagrad: "rowwise_adagrad"}  # TorchRec's optimizers
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "memory_floor.cc")
 
 
@@ -75,6 +82,8 @@ def compile_floor(directory: str) -> ctypes.CDLL | None:
   pointer, size, count = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
   floor.GatherSum.argtypes = [pointer, size, size, pointer, pointer, size, pointer, size, count]
   floor.TouchRows.argtypes = [pointer, pointer, size, size, size, pointer, size, count]
+  floor.SumAndStep.argtypes = [pointer, pointer, size, size, size, pointer, size, pointer,
+                               pointer, pointer, pointer, count]
   return floor
 
 
@@ -106,6 +115,18 @@ class Floor:
     # Padding entries name the sample one past the last (GatherSum stops before them).
     self.valid_entries = int((self.entry_samples < self.samples).sum())
     self.out = np.empty((self.samples, self.table.shape[1]), np.float32)
+    # The valid entries grouped by touched row (stable, in entry order):
+    # row k's are begin[k] .. begin[k + 1) of grouped_samples and grouped_gains.
+    valid = (index >= 0) & (self.entry_samples < self.samples)
+    valid &= unique_rows[np.where(valid, index, 0)] >= 0
+    order = np.argsort(index[valid], kind="stable")
+    ranks = np.searchsorted(np.flatnonzero(unique_rows >= 0), index[valid][order])
+    self.begin = np.ascontiguousarray(np.searchsorted(
+        ranks, np.arange(self.unique_rows.size + 1)).astype(np.int32))
+    self.grouped_samples = np.ascontiguousarray(self.entry_samples[valid][order])
+    gains = np.asarray(sparse.entry_gains).reshape(-1)
+    self.grouped_gains = np.ascontiguousarray(gains[valid][order].astype(np.float32))
+    self.grad = np.full((self.samples, self.table.shape[1]), 0.01, np.float32)
     self.threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
         os.cpu_count() or 1)
 
@@ -115,14 +136,21 @@ class Floor:
                            _address(self.entry_samples), self.entry_samples.size,
                            _address(self.out), self.samples, self.threads)
 
-  def update(self, _=None) -> None:
+  def touch(self, _=None) -> None:
     rows, dim = self.table.shape
     self.library.TouchRows(_address(self.table), _address(self.slot), rows, dim,
                            self.slot_width, _address(self.unique_rows), self.unique_rows.size,
                            self.threads)
 
+  def update(self, _=None) -> None:
+    rows, dim = self.table.shape
+    self.library.SumAndStep(_address(self.table), _address(self.slot), rows, dim,
+                            self.slot_width, _address(self.unique_rows), self.unique_rows.size,
+                            _address(self.begin), _address(self.grouped_samples),
+                            _address(self.grouped_gains), _address(self.grad), self.threads)
 
-def measure(library, config, optimizer, repeats: int) -> dict:
+
+def measure(library, config, optimizer, repeats: int, with_torchrec: bool) -> dict:
   num_tables, vocab, dim, batch = config
   rng = np.random.default_rng(0)
   warmup = [make_batch(rng, num_tables, batch, vocab) for _ in range(2)]
@@ -144,13 +172,18 @@ def measure(library, config, optimizer, repeats: int) -> dict:
     ours.variables = update(ours.variables, ready, i)
     jax.block_until_ready(ours.variables)
 
-  timing = time_interleaved({
+  cases = {
       "ours_lookup": our_lookup, "floor_lookup": floor.lookup,
-      "ours_update": our_update, "floor_update": floor.update,
+      "ours_update": our_update, "floor_touch": floor.touch, "floor_update": floor.update,
       "ours_step": lambda _: ours.train(ready), "prep": lambda _: ours.buffers(raw),
-  }, repeats)
+  }
+  if with_torchrec:
+    torchrec = TorchRec(num_tables, vocab, dim, OPTIMIZER_NAMES[type(optimizer)])
+    cases["torchrec"] = lambda _: torchrec.train(raw)
+  timing = time_interleaved(cases, repeats)
   ms = {case: t["ms"] for case, t in timing.items()}
   floor_step = ms["floor_lookup"] + ms["floor_update"]
+  floor_e2e = floor_step + ms["prep"]
   return {
       "optimizer": type(optimizer).__name__, "backend": ours.backend,
       "touched_rows": int(floor.unique_rows.size), "entries": floor.valid_entries,
@@ -158,7 +191,9 @@ def measure(library, config, optimizer, repeats: int) -> dict:
       "lookup_ratio": ms["ours_lookup"] / ms["floor_lookup"],
       "update_ratio": ms["ours_update"] / ms["floor_update"],
       "floor_step_ms": floor_step, "step_ratio": ms["ours_step"] / floor_step,
-      "floor_e2e_ms": floor_step + ms["prep"],
+      "floor_e2e_ms": floor_e2e,
+      "torchrec_ms": ms.get("torchrec", float("nan")),
+      "bound_vs_torchrec": floor_e2e / ms["torchrec"] if with_torchrec else float("nan"),
   }
 
 
@@ -180,7 +215,12 @@ def main(argv=None) -> dict:
       result["skipped"] = "no C++ compiler found"
       write_json(args.json, result)
       return result
-    rows = [measure(library, config, optimizer, args.repeats)
+    torchrec_missing = _torchrec_missing()
+    if torchrec_missing:
+      print(f"TorchRec not timed ({torchrec_missing}): install it as the README says for"
+            " bench_vs_torchrec.py to see the bound on the ratio to its step.")
+      result["torchrec_skipped"] = torchrec_missing
+    rows = [measure(library, config, optimizer, args.repeats, not torchrec_missing)
             for optimizer in (SGD(LEARNING_RATE), RowWiseAdagrad(LEARNING_RATE))]
   num_tables, vocab, dim, batch = config
   print(f"\nours vs the memory floor: {num_tables} tables x {vocab:,} rows x dim {dim}, batch"
@@ -191,11 +231,13 @@ def main(argv=None) -> dict:
       ("optimizer", "optimizer", "s"),
       ("ours_lookup_ms", "lookup ms", ".1f"), ("floor_lookup_ms", "floor", ".1f"),
       ("lookup_ratio", "ours/floor", ".2f"),
-      ("ours_update_ms", "update ms", ".1f"), ("floor_update_ms", "floor", ".1f"),
+      ("ours_update_ms", "update ms", ".1f"), ("floor_touch_ms", "touch rows", ".1f"),
+      ("floor_update_ms", "floor", ".1f"),
       ("update_ratio", "ours/floor", ".2f"),
       ("ours_step_ms", "step ms", ".1f"), ("floor_step_ms", "floor", ".1f"),
       ("step_ratio", "ours/floor", ".2f"),
       ("prep_ms", "prep ms", ".1f"), ("floor_e2e_ms", "floor + prep ms", ".1f"),
+      ("torchrec_ms", "TorchRec ms", ".1f"), ("bound_vs_torchrec", "bound", ".2f"),
   ])
   result["results"] = rows
   write_json(args.json, result)

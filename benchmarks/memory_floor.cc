@@ -8,6 +8,12 @@
 //   TouchRows:  w <- w - 1e-6 * w for every touched row (and its slot of
 //               slot_width floats), rows in the given (sorted) order: the
 //               update's one read and one write of each touched row.
+//   SumAndStep: w <- w - 1e-6 * sum_e gain[e] * grad[sample[e]] over the
+//               entries e of every touched row (and its slot as TouchRows),
+//               with the entries already grouped by row (begin[k] ..
+//               begin[k + 1) of sample and gain, grouped outside the
+//               timing): TouchRows plus the read of every entry's gradient
+//               row, which any update must do, and the least arithmetic.
 //
 // Both run on `threads` threads over contiguous parts and prefetch rows
 // kRowsAhead ahead, as the package's kernels do. Entries or rows outside the
@@ -82,6 +88,34 @@ void TouchRows(float* table, float* slot, int64_t rows, int64_t dim, int64_t slo
       if (row[k] < 0 || row[k] >= rows) continue;
       float* w = table + static_cast<int64_t>(row[k]) * dim;
       for (int64_t d = 0; d < dim; ++d) w[d] -= 1e-6f * w[d];
+      float* s = slot + static_cast<int64_t>(row[k]) * slot_width;
+      for (int64_t d = 0; d < slot_width; ++d) s[d] -= 1e-6f * s[d];
+    }
+  });
+}
+
+void SumAndStep(float* table, float* slot, int64_t rows, int64_t dim, int64_t slot_width,
+                const int32_t* row, int64_t count, const int32_t* begin, const int32_t* sample,
+                const float* gain, const float* grad, int threads) {
+  ParallelParts(count, threads, [&](int64_t first, int64_t end) {
+    std::vector<float> sum(dim);
+    for (int64_t k = first; k < end; ++k) {
+      if (k + kRowsAhead < end && row[k + kRowsAhead] >= 0 && row[k + kRowsAhead] < rows) {
+        const int64_t ahead = row[k + kRowsAhead];
+        PrefetchRow(table + ahead * dim, dim, 1);
+        if (slot_width) PrefetchRow(slot + ahead * slot_width, slot_width, 1);
+        for (int32_t e = begin[k + kRowsAhead]; e < begin[k + kRowsAhead + 1]; ++e) {
+          PrefetchRow(grad + static_cast<int64_t>(sample[e]) * dim, dim, 0);
+        }
+      }
+      if (row[k] < 0 || row[k] >= rows) continue;
+      std::fill(sum.begin(), sum.end(), 0.0f);
+      for (int32_t e = begin[k]; e < begin[k + 1]; ++e) {
+        const float* g = grad + static_cast<int64_t>(sample[e]) * dim;
+        for (int64_t d = 0; d < dim; ++d) sum[d] += gain[e] * g[d];
+      }
+      float* w = table + static_cast<int64_t>(row[k]) * dim;
+      for (int64_t d = 0; d < dim; ++d) w[d] -= 1e-6f * sum[d];
       float* s = slot + static_cast<int64_t>(row[k]) * slot_width;
       for (int64_t d = 0; d < slot_width; ++d) s[d] -= 1e-6f * s[d];
     }
