@@ -562,10 +562,10 @@ def _check_one_record(reader, stack) -> None:
   (recorded, optimizer), unrecorded = mixed
   raise SlotMismatchError(
       f"stack {stack.name!r} puts tables {recorded!r} and {unrecorded!r} together, but the"
-      f" checkpoint {reader.item} records the optimizer of table {recorded!r}'s slots"
-      f" ({optimizer!r}) and not that of table {unrecorded!r}'s. The stack has one record:"
-      f" dropping it would stop checking {recorded!r}'s slots, keeping it would claim"
-      f" {unrecorded!r}'s slots for {optimizer!r} unchecked (slots of the same names and"
+      f" checkpoint {reader.item} records the optimizer of the slots of table"
+      f" {recorded!r} ({optimizer!r}) and not that of table {unrecorded!r}. The stack has one"
+      f" record: dropping it would stop checking the slots of {recorded!r}, keeping it would"
+      f" claim those of {unrecorded!r} for {optimizer!r} unchecked (slots of the same names and"
       " widths may be another optimizer's). Stack them apart, or restore the checkpoint into"
       " this layout with the optimizer you train with (EmbeddingRestore(...,"
       " optimizers=...)); its next save records the optimizer of every table."

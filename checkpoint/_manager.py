@@ -37,12 +37,14 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import checkpoint_managers as policies
 
 from checkpoint import _exit, _integrity, _steps, _storage
 from checkpoint._compact import finish_interrupted_compactions
+from checkpoint._format import MANIFEST_FILE
 from checkpoint._errors import (
     CheckpointError,
     CheckpointReadError,
@@ -147,6 +149,7 @@ class CheckpointManager:
     if not self._directory.is_absolute():  # Orbax needs absolute paths with several processes
       self._directory = self._directory.resolve()
     _storage.check_local_path(self._directory)  # Before anything is written there.
+    _refuse_a_step_or_item(self._directory)
     if not read_only:
       check_can_save_under(self._directory)
     metric_fn = None
@@ -225,7 +228,7 @@ class CheckpointManager:
 
   def should_save(self, step: int) -> bool:
     """Whether `save(step)` without force would write (the save interval)."""
-    return self._manager.should_save(step)
+    return self._manager.should_save(step_number(step))
 
   def save(
       self,
@@ -263,6 +266,7 @@ class CheckpointManager:
           f"this CheckpointManager of {self._directory} was opened with read_only=True and"
           " cannot save; open another one without it to write checkpoints."
       )
+    step = step_number(step)
     tracker = updated_rows if isinstance(updated_rows, UpdatedRows) else None
     if embedding is not None and isinstance(embedding, EmbeddingSave):
       if self._incremental.policy is not None:
@@ -385,6 +389,8 @@ class CheckpointManager:
       IncompatibleCheckpointError: a dense (PyTree) item stores another shape
         than the requested tree (naming the parameter, both shapes, the step).
     """
+    if step is not None:
+      step = step_number(step)
     args = self._composite(embedding, items, (EmbeddingRestore, TableRestore))
     if self._read_only:
       # A job may be writing this directory: see the steps it saved since,
@@ -482,6 +488,7 @@ class CheckpointManager:
     it, and a save of its number moves it aside to `<step>.incomplete-<k>`
     (kept). A step saved again under that number is not marked.
     """
+    step = step_number(step)
     self._damaged.add(step, why, self._damaged.fingerprint(step))
 
   def _step_exists(self, step: int) -> bool:
@@ -546,8 +553,9 @@ class CheckpointManager:
                  if (self._directory / str(other) / name).exists()]
       raise MissingItemError(
           f"checkpoint step {step} ({step_dir}) holds no item {name!r}: it saved"
-          f" {sorted(listed)}. Restore without {name!r}, or restore a step that saved it"
-          f" (steps holding it: {holding})."
+          f" {sorted(listed)}. Restore without {name!r}"
+          + (f", or restore a step that saved it (steps holding it: {holding})." if holding
+             else f"; no step of {self._directory} holds it.")
       )
 
   def _why_not_complete(self, step: int) -> str:
@@ -645,7 +653,7 @@ class CheckpointManager:
 
   def item_names(self, step: int) -> list[str]:
     """The items stored in a step."""
-    directory = self._directory / str(step)
+    directory = self._directory / str(step_number(step))
     return sorted(
         child.name
         for child in directory.iterdir()
@@ -675,6 +683,44 @@ class CheckpointManager:
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+def step_number(step: Any) -> int:
+  """`step` as the int that names its directory: an int >= 0, a numpy integer or
+  an integer 0-d array (a jax step counter). Anything else is refused by value:
+  a float step would be saved under a directory name (`7.0`) that no listing
+  reads as a step, and a negative or bool one is never saved."""
+  dtype = getattr(step, "dtype", None)
+  integer = (isinstance(step, (int, np.integer)) and not isinstance(step, (bool, np.bool_))) or (
+      dtype is not None and np.ndim(step) == 0 and np.issubdtype(dtype, np.integer))
+  if not integer:
+    raise TypeError(
+        f"a checkpoint step must be an int >= 0, got {step!r} ({type(step).__name__}); pass the"
+        " step number as an int (e.g. int(step)).")
+  if int(step) < 0:
+    raise ValueError(f"a checkpoint step must be an int >= 0, got {int(step)}.")
+  return int(step)
+
+
+def _refuse_a_step_or_item(directory: epath.Path) -> None:
+  """Raises ValueError when `directory` is, or lies inside, a checkpoint step or
+  an embedding item: a manager there would list no steps of its own and write
+  new ones inside an existing checkpoint. Looks at the directory and the three
+  above it (a step's item and a folder inside it), which on cloud storage
+  costs a few requests only."""
+  for path in [directory, *list(directory.parents)[:3]]:
+    if (path / _integrity.INTEGRITY_FILE).exists() or (
+        path / _integrity.ORBAX_STEP_METADATA).exists():
+      article, kind, root = "a", "checkpoint step", path.parent
+    elif (path / MANIFEST_FILE).exists():
+      article, kind, root = "an", "embedding item", path.parent.parent
+    else:
+      continue
+    place = f"is {article} {kind}" if path == directory else f"lies inside the {kind} {path}"
+    raise ValueError(
+        f"{directory} {place}: a CheckpointManager takes the directory that holds the steps"
+        f" (here {root}), not a step or an item inside one."
+    )
 
 
 def _glob_misreads(path: str) -> list[str]:

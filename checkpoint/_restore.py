@@ -188,7 +188,7 @@ def _check_range(name: str, row_range, vocab: int) -> tuple[int, int]:
   start, stop = (int(x) for x in bounds)
   if not 0 <= start <= stop <= vocab:
     raise ValueError(
-        f"rows[{name!r}] = ({start}, {stop}) is not a range inside table {name!r}'s vocabulary"
-        f" [0, {vocab})."
+        f"rows[{name!r}] = ({start}, {stop}) is not a range inside the vocabulary of table"
+        f" {name!r}, [0, {vocab})."
     )
   return start, stop

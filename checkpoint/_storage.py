@@ -151,7 +151,8 @@ def context() -> ts.Context:
 
 
 def as_path(value: epath.PathLike, what: str = "path") -> epath.Path:
-  """`value` as an etils path; a file:///... URL becomes the local path it names.
+  """`value` as an etils path; a file:///... URL becomes the local path it names,
+  and a leading ~ the home directory (os.path.expanduser).
 
   Raises:
     ValueError: a URL of a scheme etils has no handler for (etils itself
@@ -169,6 +170,8 @@ def as_path(value: epath.PathLike, what: str = "path") -> epath.Path:
           " file:///data/checkpoints; or pass the local path itself."
       )
     return epath.Path(local)
+  if text.startswith("~"):  # As a shell would: not a directory named '~' here.
+    return epath.Path(os.path.expanduser(text))
   try:
     return epath.Path(value)
   except KeyError:

@@ -54,6 +54,7 @@ from checkpoint._storage import StorageOptions, as_path
 from checkpoint._verify import adopt_step, verify
 from sc_framework.cli_types import integer_at_least
 from sc_framework.stacking import EmbeddingLayout
+from sc_framework.stacking._layout import MAX_SHARDS_PER_DEVICE
 
 
 class _Parser(argparse.ArgumentParser):
@@ -91,9 +92,12 @@ def _parser() -> argparse.ArgumentParser:
   conv.add_argument(
       "--num-devices", type=integer_at_least(1), help="target G (devices on the table axis)"
   )
-  conv.add_argument("--shards-per-device", type=integer_at_least(1), help="target S (shards per device)")
   conv.add_argument(
-      "--groups",
+      "--shards-per-device", type=integer_at_least(1, MAX_SHARDS_PER_DEVICE),
+      help="target S (shards per device)",
+  )
+  conv.add_argument(
+      "--groups", type=_groups_flag,
       help="target stacking groups: 'a,b;c' (';' between stacks), 'separate' (one table per"
       " stack) or 'same' (default: as the source)",
   )
@@ -184,6 +188,17 @@ def _compact(args: argparse.Namespace) -> int:
     state = f"compacted in {time.perf_counter() - start:.1f} s" if done else "already full"
     print(f"{args.step_dir}: {state}", file=sys.stderr)
   return 0
+
+
+def _groups_flag(text: str) -> str:
+  """--groups as given, once it parses ('same', 'separate' or 'a,b;c'); which
+  tables it may name is known only from the source."""
+  if text not in ("same", "separate"):
+    try:
+      parse_groups(text)
+    except ValueError as error:
+      raise argparse.ArgumentTypeError(str(error).removeprefix(f"--groups {text!r} ")) from None
+  return text
 
 
 def _layout_flags_given(args: argparse.Namespace) -> bool:

@@ -203,8 +203,8 @@ class FeatureSpec:
     if output_shape[-1] != dim:
       expected = output_shape[:-1] + (dim,)
       raise ValueError(
-          f"{owner}: output dim {output_shape[-1]} differs from table {self.table.name!r}'s"
-          f" embedding_dim {dim}. Set output_shape={expected} or change the table."
+          f"{owner}: output dim {output_shape[-1]} differs from the embedding_dim {dim} of"
+          f" table {self.table.name!r}. Set output_shape={expected} or change the table."
       )
     if output_shape[0] != input_shape[0]:
       raise ValueError(

@@ -176,9 +176,9 @@ def stack_tables(
             f" tables: {sorted(tables)}."
         )
       if name in seen:
-        twice = f" (twice in group {index}): name each table once" if seen[name] == index else ""
-        raise ValueError(
-            f"table {name!r} is in stacking groups {seen[name]} and {index}{twice}.")
+        where = (f"twice in stacking group {index}" if seen[name] == index
+                 else f"in stacking groups {seen[name]} and {index}")
+        raise ValueError(f"table {name!r} is {where}: name each table in one group, once.")
       seen[name] = index
     for name in group[1:]:
       _check_stackable(tables[group[0]], tables[name], "")

@@ -213,9 +213,9 @@ def test_convert_changes_the_table_dtype_rounding_to_nearest(saved, tmp_path):
         ),
         (["convert", "{src}", "{tmp}/x", "--layout", "{tmp}/missing.json"], "no such file"),
         (["convert", "{src}", "{tmp}/x", "--groups", "a,b;c;d;a"],
-         "table 'a' is in stacking groups 0 and 3."),
+         "table 'a' is in stacking groups 0 and 3: name each table in one group, once."),
         (["convert", "{src}", "{tmp}/x", "--groups", "c;d;a;b;c", "--num-devices", "2"],
-         "table 'c' is in stacking groups 0 and 4."),
+         "table 'c' is in stacking groups 0 and 4: name each table in one group, once."),
         (["inspect", "{tmp}"], "not a checkpoint"),
         (["inspect", "{workdir}"],
          "a Trainer workdir, which keeps its checkpoints in {workdir}/checkpoints: pass that."),
@@ -262,6 +262,12 @@ def test_errors_exit_non_zero_with_a_message(saved, tmp_path, capsys, argv, mess
     (["convert", "a", "b", "--shards-per-device", "two"],
      "argument --shards-per-device: expected an integer, got 'two'"),
     (["convert", "a", "b", "--num-dev", "2"], "unrecognized arguments: --num-dev 2"),
+    # Values no source could take: refused before the source is read (they exited 1 after).
+    (["convert", "a", "b", "--shards-per-device", "65"],
+     "argument --shards-per-device: must be <= 64, got 65"),
+    (["convert", "a", "b", "--groups", ""],
+     "argument --groups: names no table; write groups as 'a,b;c'."),
+    (["convert", "a", "b", "--groups", " ; ,"], "argument --groups: names no table"),
     # Flags that exclude each other, or no target: usage errors too, found before
     # the source is read (it need not exist).
     (["convert", "a", "b"], "convert: choose a target: --layout FILE"),

@@ -253,7 +253,7 @@ def test_bad_restore_requests(saved):
     ck.EmbeddingCheckpointHandler().restore(
         path, ck.EmbeddingRestore(ck.relayout(layout, num_devices=4), make_mesh(8), AXIS)
     )
-  with pytest.raises(ValueError, match=r"rows\['a'\] = \(10, 65\) is not a range inside table 'a'"):
+  with pytest.raises(ValueError, match=r"rows\['a'\] = \(10, 65\) is not a range inside the vocabulary of table 'a', \[0, 64\)"):
     ck.EmbeddingCheckpointHandler().restore(path, ck.TableRestore(rows={"a": (10, 65)}))
   # Bounds are never rounded: (0.5, 10.7) read rows 0-10, (True, 5) rows 1-5.
   for bounds in [(0.5, 10.7), (True, 5), (2.9, 3.1), (np.float32(1), 4), (1,), (1, 2, 3), 7]:

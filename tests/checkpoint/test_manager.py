@@ -403,6 +403,9 @@ def test_an_item_a_step_never_saved_is_named_not_reported_as_damage(tmp_path):
     with pytest.raises(ck.MissingItemError, match=r"step 2 .* holds no item 'embedding'.*\[1\]"):
       mngr.restore(None, ck.TableRestore())
     assert mngr.restore(1, items=wanted)["extra"] == {"epoch": 1}
+    with pytest.raises(ck.MissingItemError,
+                       match=r"holds no item 'other'.*Restore without 'other'; no step of .* holds"):
+      mngr.restore(2, items={"other": ocp.args.JsonRestore()})
     assert_same_bits(mngr.restore(items={"params": wanted["params"]})["params"]["w"], params["w"])
 
 
@@ -508,3 +511,53 @@ def test_a_manager_opened_where_another_of_this_process_is_saving_waits_for_that
   first.wait_until_finished()
   first.close(), second.close()
   assert ck.verify(tmp_path / "run") == []
+
+
+def test_a_step_number_that_is_no_int_is_refused_by_value(tmp_path):
+  """A float step was saved as directory '7.0', which no listing reads (lost); -1 and
+  True were silently not saved; '5' and 5.0 in restore blamed the step's absence."""
+  data = {"x": ocp.args.JsonSave({"a": 1})}
+  with ck.CheckpointManager(tmp_path, async_save=False) as mngr:
+    assert mngr.save(np.int64(3), items=data, force=True)
+    assert mngr.save(jax.numpy.int32(4), items=data, force=True)  # a jax step counter
+    for step, error in [(7.0, TypeError), (True, TypeError), ("6", TypeError),
+                        (np.float32(8), TypeError), (-1, ValueError)]:
+      with pytest.raises(error, match=re.escape("a checkpoint step must be an int >= 0, got")):
+        mngr.save(step, items=data, force=True)
+    for step in ("4", 4.0):
+      with pytest.raises(TypeError, match=re.escape(f"got {step!r}")):
+        mngr.restore(step, items={"x": ocp.args.JsonRestore()})
+    with pytest.raises(TypeError, match="got 3.0"):
+      mngr.should_save(3.0)
+    assert mngr.all_steps() == [3, 4]
+    assert mngr.restore(np.int64(4), items={"x": ocp.args.JsonRestore()})["x"] == {"a": 1}
+  assert sorted(os.listdir(tmp_path)) == ["3", "4"]
+
+
+@pytest.mark.parametrize("read_only", [False, True])
+def test_a_manager_of_a_step_or_an_item_is_refused_naming_the_root(tmp_path, read_only):
+  """A manager opened on a step (as `inspect` prints them) wrote its steps inside it."""
+  model, layout, embedding = _state()
+  root = tmp_path / "root"
+  with ck.CheckpointManager(root) as mngr:
+    mngr.save(5, embedding, items={"params": ocp.args.StandardSave({"w": np.ones(3, np.float32)})})
+  before = sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+  for inside, kind in [(root / "5", "is a checkpoint step"),
+                       (root / "5" / "embedding", "is an embedding item"),
+                       (root / "5" / "embedding" / "new", "lies inside the embedding item"),
+                       (root / "5" / "params", "lies inside the checkpoint step")]:
+    with pytest.raises(ValueError, match=re.escape(f"{inside} {kind}") + ".*" + re.escape(
+        f"(here {root}), not a step or an item inside one")):
+      ck.CheckpointManager(inside, read_only=read_only)
+  assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == before
+
+
+def test_a_home_relative_directory_is_expanded_not_made_here(tmp_path, monkeypatch):
+  """'~/ckpt' made a directory named '~' in the working directory."""
+  monkeypatch.setenv("HOME", str(tmp_path / "home"))
+  monkeypatch.chdir(tmp_path)
+  with ck.CheckpointManager("~/ckpt", async_save=False) as mngr:
+    assert mngr.directory == tmp_path / "home" / "ckpt"
+    mngr.save(1, items={"x": ocp.args.JsonSave({"a": 1})})
+  assert not (tmp_path / "~").exists() and (tmp_path / "home" / "ckpt" / "1").is_dir()
+

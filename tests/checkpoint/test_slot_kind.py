@@ -343,7 +343,7 @@ def test_conversion_never_merges_a_recorded_table_with_an_unrecorded_one(partly,
   model, layout, path = partly
   together = ck.relayout(layout, groups=[["a", "b"], ["c"], ["d"], ["e"]])
   match = (r"stack '[^']+' puts tables 'a' and 'b' together, but the checkpoint .* records the"
-           r" optimizer of table 'a'.*\('adam'\) and not that of table 'b'.*Stack them apart")
+           r" optimizer of the slots of table 'a' \('adam'\) and not that of table 'b'.*Stack them apart")
   with pytest.raises(ck.SlotMismatchError, match=match):
     ck.convert(path, tmp_path / "merged", together)
   ck.convert(path, tmp_path / "unstacked", "unstacked")

@@ -551,7 +551,7 @@ def test_stack_tables_explicit_groups_keep_given_order():
         ([["a"], ["c"], ["d"], ["e"]], ("tables ['b'] are in no stacking group",)),
         ([["a"], ["c"]], ("tables ['b', 'd', 'e'] are in no stacking group",)),
         ([["a", "b"], ["a"], ["c"], ["d"], ["e"]], ("table 'a' is in stacking groups 0 and 1",)),
-        ([["a", "a", "b"], ["c"], ["d"], ["e"]], ("table 'a' is in stacking groups 0 and 0 (twice in group 0): name each table once.",)),
+        ([["a", "a", "b"], ["c"], ["d"], ["e"]], ("table 'a' is twice in stacking group 0: name each table in one group, once.",)),
         ([["a", "b"], [], ["c"], ["d"], ["e"]], ("stacking group 1 is empty",)),
         ([["a", "c"], ["b"], ["d"], ["e"]], ("tables 'a' and 'c' cannot share a stack", "D'=8", "D'=16")),
         ([["a", "b", "d"], ["c"], ["e"]], ("tables 'a' and 'd' cannot share a stack", "SGD(", "Adam(")),
