@@ -64,6 +64,9 @@ def compact(step_dir: epath.PathLike, *, progress: ConversionProgress | None = N
   """
   step_dir = _storage.as_path(step_dir, "compact step directory")
   _finish(step_dir)
+  if not step_dir.exists():
+    raise NotACheckpointError(f"{step_dir} does not exist; compact takes a step directory"
+                              " (root/<step>).")
   usage = NotACheckpointError(
       f"{step_dir} is not an Orbax step directory holding one embedding item; compact takes a"
       " step directory (root/<step>)."

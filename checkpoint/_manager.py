@@ -149,6 +149,10 @@ class CheckpointManager:
     if not self._directory.is_absolute():  # Orbax needs absolute paths with several processes
       self._directory = self._directory.resolve()
     _storage.check_local_path(self._directory)  # Before anything is written there.
+    if self._directory.exists() and not self._directory.is_dir():
+      raise NotADirectoryError(
+          f"{self._directory} is a file; a CheckpointManager takes the directory that holds"
+          " (or will hold) the checkpoint steps.")
     _refuse_a_step_or_item(self._directory)
     if not read_only:
       check_can_save_under(self._directory)
@@ -449,7 +453,9 @@ class CheckpointManager:
                            self.why_unrestorable(candidate) or str(error))
     if last_error is not None:
       raise last_error
-    raise NotACheckpointError(f"{self._directory} holds no complete checkpoint to restore.")
+    absent = "" if self._directory.exists() else " (it does not exist yet)"
+    raise NotACheckpointError(
+        f"{self._directory} holds no complete checkpoint to restore{absent}.")
 
   def why_unrestorable(self, step: int) -> str | None:
     """Why a listed step cannot restore, or None (reads manifests only).

@@ -222,3 +222,11 @@ def test_an_interrupted_compaction_on_storage_that_refuses_renames_is_left_with_
     with ck.CheckpointManager(root, keep_latest=10) as manager:
       assert manager.all_steps() == list(range(STEPS))
   _restores_as_saved(root, states)
+
+
+def test_a_missing_step_is_named_as_missing(tmp_path):
+  """It was called 'not an Orbax step directory', as a root or an item is."""
+  with pytest.raises(ck.NotACheckpointError,
+                     match=f"{tmp_path / 'ckpt' / '3'} does not exist; compact takes a step"):
+    compact(tmp_path / "ckpt" / "3")
+  assert not (tmp_path / "ckpt").exists()

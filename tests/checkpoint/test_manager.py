@@ -561,3 +561,19 @@ def test_a_home_relative_directory_is_expanded_not_made_here(tmp_path, monkeypat
     mngr.save(1, items={"x": ocp.args.JsonSave({"a": 1})})
   assert not (tmp_path / "~").exists() and (tmp_path / "home" / "ckpt" / "1").is_dir()
 
+
+
+def test_a_manager_of_a_file_or_a_missing_directory_says_so(tmp_path):
+  """A read-only manager of a missing directory or a file listed no steps, then a restore
+  said only that it held no complete checkpoint."""
+  afile = tmp_path / "notes.txt"
+  afile.write_text("x")
+  for read_only in (False, True):
+    with pytest.raises(NotADirectoryError, match=re.escape(f"{afile} is a file")):
+      ck.CheckpointManager(afile, read_only=read_only)
+  with ck.CheckpointManager(tmp_path / "later", read_only=True) as mngr:  # a job may make it
+    assert mngr.all_steps() == []
+    with pytest.raises(ck.NotACheckpointError, match="no complete checkpoint to restore"
+                       r" \(it does not exist yet\)"):
+      mngr.restore(None, ck.TableRestore())
+  assert afile.read_text() == "x" and not (tmp_path / "later").exists()
