@@ -186,9 +186,11 @@ def inspect(path: epath.PathLike) -> dict[str, Any]:
     except CheckpointError as error:
       unreadable[child.name] = str(error)
   else:
+    (newest, why), *older = unreadable.items()
     raise NotACheckpointError(
-        f"{path} holds no step that can be described: "
-        + "; ".join(f"step {name}: {why}" for name, why in unreadable.items()))
+        f"{path} holds no step that can be described: step {newest}: {why}" + (
+            f" Nor can the older steps {', '.join(name for name, _ in older)} be described"
+            f" (`sc-checkpoint verify {path}` names the problem of each)." if older else ""))
   unfinished = sorted(child.name for child in children if _TMP_MARK in child.name)
   return {
       "path": str(path),

@@ -243,6 +243,18 @@ def test_inspect_of_a_root_describes_the_newest_step_whose_chain_can_be_read(tmp
   assert "it is not inspected, as it is not restored" in capsys.readouterr().err
 
 
+def test_inspect_of_a_root_whose_every_chain_is_broken_names_the_newest_once(tmp_path, capsys):
+  """The message repeated the whole chain's error for every step, in one line."""
+  _, _, delta_root, _, _ = _train_side_by_side(tmp_path, 2, steps=4)
+  shutil.rmtree(delta_root / "0")
+  assert cli.main(["inspect", str(delta_root)]) == 1
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and err.count("base first") == 1, err
+  assert "holds no step that can be described: step 3: step 0 is missing" in err, err
+  assert (f"Nor can the older steps 2, 1 be described (`sc-checkpoint verify {delta_root}`"
+          " names the problem of each).") in err, err
+
+
 def test_the_handler_refuses_a_delta_whose_step_lost_its_integrity_manifest(tmp_path):
   """A delta records, in the state it keeps, that its step was given one."""
   _, _, delta_root, _, _ = _train_side_by_side(tmp_path, 2, steps=3)
