@@ -9,7 +9,7 @@ Specs are frozen, hashable dataclasses so they can be static under `jit`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 import jax
@@ -203,8 +203,8 @@ class FeatureSpec:
     if output_shape[-1] != dim:
       expected = output_shape[:-1] + (dim,)
       raise ValueError(
-          f"{owner}: output dim {output_shape[-1]} differs from the embedding_dim {dim} of"
-          f" table {self.table.name!r}. Set output_shape={expected} or change the table."
+          f"{owner}: output dim {output_shape[-1]} differs from table {self.table.name!r}"
+          f" (embedding_dim {dim}). Set output_shape={expected} or change the table."
       )
     if output_shape[0] != input_shape[0]:
       raise ValueError(
@@ -265,6 +265,13 @@ def validate_feature_specs(feature_specs: Sequence[FeatureSpec]) -> tuple[Featur
     ValueError: no features, duplicate feature names, or two different tables
       with the same name.
   """
+  if isinstance(feature_specs, Mapping) or isinstance(feature_specs, FeatureSpec):
+    given = "a FeatureSpec" if isinstance(feature_specs, FeatureSpec) else (
+        f"a {type(feature_specs).__name__} (keys {list(feature_specs)[:5]})")
+    raise TypeError(
+        f"feature_specs must be a flat sequence of FeatureSpecs, got {given}. Pass"
+        " jax.tree.leaves(specs) for a nested structure (the Trainer takes one as it is), or"
+        " [spec] for one feature.")
   features = tuple(feature_specs)
   if not features:
     raise ValueError("feature_specs is empty: a model needs at least one FeatureSpec.")

@@ -85,7 +85,7 @@ class LinenSparseEmbed(nn.Module):
   def plan(self) -> EmbeddingPlan:
     """The static embedding plan: specs, stacked layout and mesh axis."""
     return EmbeddingPlan.create(
-        tuple(self.feature_specs),
+        self.feature_specs,
         mesh=self.mesh,
         axis_name=self.axis_name,
         shards_per_device=self.shards_per_device,

@@ -89,7 +89,7 @@ class NnxSparseEmbed(nnx.Module):
       rngs: nnx.Rngs,
   ):
     self.plan = EmbeddingPlan.create(
-        tuple(feature_specs),
+        feature_specs,
         mesh=mesh,
         axis_name=axis_name,
         shards_per_device=shards_per_device,

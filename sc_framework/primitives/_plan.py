@@ -128,6 +128,7 @@ class EmbeddingPlan:
       ValueError: `shards_per_device` disagrees with the layout's, or the
         layout does not fit the mesh or the specs.
     """
+    feature_specs = validate_feature_specs(feature_specs)
     if mesh is None:
       mesh = default_mesh(axis_name)
     if layout is None:
@@ -145,7 +146,7 @@ class EmbeddingPlan:
     for table in tables_of(feature_specs):
       check_schedule_at_start(f"table {table.name!r} ({table.optimizer.owner_name()})",
                               table.optimizer.learning_rate)
-    return cls(tuple(feature_specs), layout, mesh, axis_name)
+    return cls(feature_specs, layout, mesh, axis_name)
 
   # --- derived, per stack ---------------------------------------------------
 

@@ -273,7 +273,7 @@ def test_statistics_and_limits_count_positions():
         (dict(input_shape=(4, 5), output_shape=(4, 3, 6)),
          r"output_shape \(4, 3, 6\) has sequence length 3 but input_shape \(4, 5\) has 5"),
         (dict(input_shape=(4, 3), output_shape=(4, 3, 7)),
-         r"output dim 7 differs from the embedding_dim 6 of table 'words'. Set"
+         r"output dim 7 differs from table 'words' \(embedding_dim 6\). Set"
          r" output_shape=\(4, 3, 6\)"),
         (dict(input_shape=(4, 3), output_shape=(5, 3, 6)), r"output batch 5 differs"),
         (dict(input_shape=(4, 3), output_shape=(4, 3, 2, 6)), r"output_shape must be"),

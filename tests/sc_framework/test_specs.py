@@ -340,3 +340,25 @@ def test_an_input_shape_of_numpy_integers_is_read():
   table = TableSpec("t", 10, 4)
   assert FeatureSpec("f", table, np.array([4, 2])).input_shape == (4, 2)
   assert FeatureSpec("f", table, [np.int64(4), None]).input_shape == (4, None)
+
+
+def test_nested_specs_where_a_flat_sequence_is_taken_are_named_as_such():
+  """A dict of specs (as the Trainer and the SparseCore stack take) was iterated by its
+  keys: 'feature_specs must hold FeatureSpec values, got str'."""
+  from flax import nnx
+
+  from sc_framework.flax import LinenSparseEmbed, NnxSparseEmbed
+  from sc_framework.primitives import EmbeddingPlan
+
+  feature = FeatureSpec("f", TableSpec("t", 10, 8), (4,))
+  nested = {"user": {"history": feature}}
+  for build in (validate_feature_specs, EmbeddingPlan.create,
+                lambda specs: LinenSparseEmbed(specs).plan,
+                lambda specs: NnxSparseEmbed(specs, rngs=nnx.Rngs(0))):
+    with pytest.raises(TypeError, match=re.escape(
+        "feature_specs must be a flat sequence of FeatureSpecs, got a dict (keys ['user'])."
+        " Pass jax.tree.leaves(specs)")):
+      build(nested)
+  with pytest.raises(TypeError, match="got a FeatureSpec.* or \\[spec\\] for one feature"):
+    validate_feature_specs(feature)
+  assert validate_feature_specs([feature]) == (feature,)
