@@ -426,7 +426,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     history = trainer.fit(train, num_steps=start_step + args.steps, eval_data=evaluation,
                           eval_every=args.eval_every, callbacks=[clock])
   except IncompatibleCheckpointError as error:  # flags other than the checkpoint's
-    _parser().error(f"argument --workdir: {error}")
+    _parser().error(
+        f"--workdir {args.workdir} holds checkpoints written with other flags than these"
+        f" (resume with those flags, or pass a new --workdir): {error}")
   # fit evaluates at its end unless it was interrupted or trained nothing new.
   ran_final = history.evaluations and history.evaluations[-1][0] == history.final_step
   if ran_final:

@@ -329,7 +329,9 @@ def main(argv=None) -> dict[str, Any]:
     history = trainer.fit(train, num_steps=start_step + args.steps)
     elapsed = time.perf_counter() - started
   except IncompatibleCheckpointError as error:  # flags other than the checkpoint's
-    parser.error(f"--workdir {args.workdir}: {error}")
+    parser.error(
+        f"--workdir {args.workdir} holds checkpoints written with other flags than these"
+        f" (resume with those flags, or pass a new --workdir): {error}")
   # Nothing trained (--steps 0): the state evaluated before.
   trained_any = history.final_step > start_step
   after_loss = trainer.evaluate(evaluation)["loss"] if trained_any else before_loss

@@ -445,16 +445,20 @@ def _check_same_batch_shape(step: int, directory: epath.Path,
                       **saved[spec.name]}) for spec in specs]
   changed = [f"{entry['batch_size']} samples then, {spec.batch_size} now (feature {spec.name!r})"
              for spec, entry in recorded if entry["batch_size"] != spec.batch_size][:1]
-  changed += [f"feature {spec.name!r}: sequence length {entry['sequence_length']} then,"
-              f" {spec.sequence_length} now"
+  def kind(length):
+    return "a combined feature" if length is None else f"sequence length {length}"
+
+  changed += [f"feature {spec.name!r}: {kind(entry['sequence_length'])} then,"
+              f" {kind(spec.sequence_length)} now"
               for spec, entry in recorded if entry["sequence_length"] != spec.sequence_length]
   if changed:
     raise IncompatibleCheckpointError(
         f"checkpoint step {step} in {directory} holds an in-flight batch of other shapes than"
         f" the Trainer's ({'; '.join(changed)}): the first resumed step would apply it as it"
         " is. Resume with the batch size and sequence lengths it was written with; change"
-        " them at a checkpoint without a batch in flight (resume once with pipelining off for"
-        " a step, or use one written by a fit that ran to the end of its data)."
+        " them at a checkpoint without a batch in flight: resume once with the shapes it was"
+        " written with and pipelining off, for one step (its checkpoint holds no batch in"
+        " flight), or use one written by a fit that ran to the end of its data."
     )
 
 

@@ -68,6 +68,7 @@ class Progress:
       mode = "bar" if (stream or sys.stderr).isatty() else "log"
     self._mode = mode
     self._total = total_steps
+    self._end_note: str | None = None  # how the fit ended, written by close
     self._log_every = log_every
     self._metrics_path = metrics_path
     self._record_failed = False  # warned once about a refused record
@@ -90,7 +91,9 @@ class Progress:
       setup: what the run is (e.g. backend, device count), shown as `key value`.
     """
     origin = f"resumed from step {resumed_from}" if resumed_from is not None else f"at step {step}"
-    total = f" to step {self._total}" if self._total is not None else ""
+    total = "" if self._total is None else (
+        f" to step {self._total}" if self._total >= step
+        else f", nothing to train (num_steps={self._total} is passed)")
     if self._mode != "off":
       details = ", ".join(f"{key.replace('_', ' ')} {value}" for key, value in setup.items())
       self._stream.write(f"fit: {origin}{total}; {details}\n")
@@ -170,12 +173,19 @@ class Progress:
     self._stream.write("\r" + bar + self._line(step, metrics, self._steps_per_sec) + "\033[K")
     self._stream.flush()
 
+  def end_note(self, text: str) -> None:
+    """A line `close` writes after the last step's (unless "off"): how the fit ended."""
+    self._end_note = text
+
   def close(self) -> None:
     """Ends the report; the last step is recorded even between `log_every` marks."""
     if self._last is not None:
       self._log_step()
     if self._mode == "bar":
       self._stream.write("\n")
+    if self._end_note is not None and self._mode != "off":
+      self._stream.write(f"fit: {self._end_note}\n")
+    if self._mode != "off":
       self._stream.flush()
 
 

@@ -608,6 +608,9 @@ class Trainer:
       stream.hand_on(interrupted=history.interrupted, pipelined=self.config.pipelining)
       end.final(self._loop, history.interrupted)
       history.final_step = int(self.state.step)
+      if num_steps is not None and not history.interrupted and history.final_step < num_steps:
+        progress.end_note(f"the data ended at step {history.final_step}, before"
+                          f" num_steps={num_steps}")
       return history
     except BaseException as error:
       aborted = isinstance(error, KeyboardInterrupt)

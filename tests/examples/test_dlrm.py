@@ -120,7 +120,8 @@ def test_a_resume_with_another_batch_size_gives_one_line_naming_both(tmp_path, c
     dlrm.main(["--steps", "1", *SMALL, "--batch-size", "128", "--workdir", str(tmp_path)])
   assert exit_.value.code == 2
   error = capsys.readouterr().err.strip().splitlines()[-1]
-  assert "argument --workdir: checkpoint step 2" in error, error
+  assert (f"--workdir {tmp_path} holds checkpoints written with other flags than these (resume"
+          " with those flags, or pass a new --workdir): checkpoint step 2") in error, error
   assert "in-flight batch of other shapes" in error and "64 samples then, 128 now" in error, error
 
 

@@ -90,7 +90,8 @@ def test_a_resume_with_another_batch_size_gives_one_line_naming_both(tmp_path, c
     sequence_lm.main(SMALL + ["--steps", "1", "--batch-size", "64", "--workdir", str(tmp_path)])
   assert exit_info.value.code == 2
   error = capsys.readouterr().err.strip().splitlines()[-1]
-  assert f"--workdir {tmp_path}: checkpoint step 2" in error, error
+  assert (f"--workdir {tmp_path} holds checkpoints written with other flags than these"
+          " (resume with those flags, or pass a new --workdir): checkpoint step 2") in error, error
   assert "in-flight batch of other shapes" in error and "32 samples then, 64 now" in error, error
 
 
@@ -103,6 +104,7 @@ def test_a_resume_with_another_sequence_length_gives_one_line(tmp_path, capsys):
     sequence_lm.main(SMALL + ["--steps", "1", "--seq-len", "6", "--workdir", str(tmp_path)])
   assert exit_info.value.code == 2
   error = capsys.readouterr().err.strip().splitlines()[-1]
-  assert f"--workdir {tmp_path}: checkpoint {tmp_path}" in error, error
+  assert (f"--workdir {tmp_path} holds checkpoints written with other flags than these"
+          f" (resume with those flags, or pass a new --workdir): checkpoint {tmp_path}") in error, error
   assert "params/Dense_0/kernel is stored with shape (32, 32) but the model asks for (48, 32)" \
       in error, error

@@ -42,6 +42,25 @@ def test_progress_records_start_steps_and_the_last_step(tmp_path):
   assert lines[1].startswith("step 3/7 | loss 0.3333 |") and len(lines) == 4
 
 
+def test_the_start_line_of_a_passed_num_steps_and_the_end_note():
+  """'fit: resumed from step 10 to step 5' followed the warning that nothing trains."""
+  stream = io.StringIO()
+  progress = Progress(total_steps=5, mode="log", log_every=3, metrics_path=None, batch_size=4,
+                      stream=stream)
+  progress.start(10, resumed_from=10, setup={"batch_size": 4})
+  progress.end_note("the data ended at step 10, before num_steps=5")
+  progress.close()
+  assert stream.getvalue().splitlines() == [
+      "fit: resumed from step 10, nothing to train (num_steps=5 is passed); batch size 4",
+      "fit: the data ended at step 10, before num_steps=5"]
+  quiet = io.StringIO()
+  progress = Progress(total_steps=5, mode="off", log_every=3, metrics_path=None, batch_size=4,
+                      stream=quiet)
+  progress.end_note("not shown")
+  progress.close()
+  assert quiet.getvalue() == ""
+
+
 def test_the_rate_is_the_median_step_not_dragged_down_by_a_pause(tmp_path, monkeypatch):
   clock = iter([0.0, 0.0] + [0.1, 0.2, 5.2, 5.3] + [9.0] * 10)  # step 3 paused 5 s
   monkeypatch.setattr("pipelining._progress.time.perf_counter", lambda: next(clock))

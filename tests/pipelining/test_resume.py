@@ -252,6 +252,21 @@ def test_num_steps_below_the_resumed_step_warns_that_nothing_is_trained(tmp_path
   assert "fit(num_steps=2) trains nothing: the state is already at step 4" in caplog.text
 
 
+
+@pytest.mark.parametrize("pipelining", [True, False])
+def test_data_that_ends_before_num_steps_is_said_to(pipelining, capsys):
+  """fit(3 batches, num_steps=10) ended at step 3 without a word."""
+  batches = make_batches(3, seed=84)
+  trainer = Trainer(LinearHead(), make_specs(Adagrad(0.3)), mse, optax.adam(0.05),
+                    mesh=mesh_of(1), pipelining=pipelining, progress="log", padding_id=-1)
+  assert trainer.fit(batches, num_steps=10).final_step == 3
+  lines = capsys.readouterr().err.splitlines()
+  assert lines[0].startswith("fit: at step 0 to step 10;"), lines
+  assert lines[-1] == "fit: the data ended at step 3, before num_steps=10", lines
+  assert trainer.fit(batches, num_steps=5).final_step == 5  # the data starts over
+  assert "the data ended" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("pipelining", [True, False])
 @pytest.mark.parametrize("one_shot", [True, False])
 def test_fits_in_chunks_on_one_trainer_equal_one_fit(pipelining, one_shot):

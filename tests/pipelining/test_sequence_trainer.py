@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from etils import epath
 from flax import linen as nn
 
 from pipelining import Callback, Trainer
@@ -237,8 +238,23 @@ def test_a_batch_in_flight_of_another_sequence_length_is_refused_naming_both(tmp
   with pytest.raises(IncompatibleCheckpointError,
                      match=rf"step 2 .* in-flight batch of other shapes than the Trainer's"
                            rf" \(feature 'tokens': sequence length {LENGTH} then,"
-                           rf" {LENGTH + 2} now\)"):
+                           rf" sequence length {LENGTH + 2} now\)"):
     trainer(LENGTH + 2, True).fit(longer)
   assert trainer(LENGTH, False).fit(batches, num_steps=3).resumed_from == 2
   history = trainer(LENGTH + 2, True).fit(longer)
   assert history.resumed_from == 3 and history.final_step == 5
+
+
+def test_a_sequence_feature_made_combined_at_a_batch_in_flight_is_named_so():
+  """It read 'sequence length 4 then, None now'."""
+  from checkpoint import IncompatibleCheckpointError
+  from pipelining._checkpointing import _check_same_batch_shape
+
+  words = make_specs()[0].table
+  combined = FeatureSpec("tokens", words, (BATCH, LENGTH))
+  saved = {"tokens": {"batch_size": BATCH, "sequence_length": LENGTH}}
+  with pytest.raises(IncompatibleCheckpointError,
+                     match=rf"\(feature 'tokens': sequence length {LENGTH} then, a combined"
+                           r" feature now\).*resume once with the shapes it was written with"
+                           r" and pipelining off, for one step"):
+    _check_same_batch_shape(2, epath.Path("ckpt"), saved, [combined])
