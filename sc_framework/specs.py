@@ -207,8 +207,14 @@ class FeatureSpec:
           f" (embedding_dim {dim}). Set output_shape={expected} or change the table."
       )
     if output_shape[0] != input_shape[0]:
+      flattened = (len(output_shape) == 2 and len(input_shape) == 2 and input_shape[1] is not None
+                   and output_shape[0] == input_shape[0] * input_shape[1])
+      hint = (f" For one embedding per position (a sequence feature), set output_shape="
+              f"{(input_shape[0], input_shape[1], dim)} and flatten the activations in the"
+              " model." if flattened else "")
       raise ValueError(
           f"{owner}: output batch {output_shape[0]} differs from input batch {input_shape[0]}."
+          + hint
       )
 
   def _check_sequence_shapes(self, owner: str) -> None:

@@ -72,6 +72,12 @@ def layer_key(path: tuple[Hashable, ...]) -> str:
   return "/".join(str(part) for part in path)
 
 
+def layer_owner(kind: str, key: str) -> str:
+  """How errors name a layer: its class and key, or that it is the top-level module
+  (whose key is empty)."""
+  return f"{kind} {key!r}" if key else f"{kind} (the top-level module)"
+
+
 def check_batch(plan: EmbeddingPlan, batch: Mapping[str, Any], owner: str) -> None:
   """Raises a clear error unless `batch` has one StackBatch per stack of `plan`,
   shaped for its layout (`sc_framework.primitives._checks.check_batch`)."""

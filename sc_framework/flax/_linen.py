@@ -97,10 +97,11 @@ class LinenSparseEmbed(nn.Module):
     """Feature name -> [B_f, D_f] (sequence: [B_f, L_f, D_f]) activations of `batch`."""
     plan = self.plan
     path = tuple(self.scope.path)
-    _grads.check_batch(plan, batch, f"LinenSparseEmbed {_grads.layer_key(path)!r}")
+    owner = _grads.layer_owner("LinenSparseEmbed", _grads.layer_key(path))
+    _grads.check_batch(plan, batch, owner)
     if not self.has_variable(EMBEDDING_COLLECTION, _state.TABLES) and not self.is_initializing():
       raise ValueError(
-          f"LinenSparseEmbed {_grads.layer_key(path)!r}: no {EMBEDDING_COLLECTION!r} variables."
+          f"{owner}: no {EMBEDDING_COLLECTION!r} variables."
           f" Pass the whole variables dict from `init`, including variables"
           f"[{EMBEDDING_COLLECTION!r}], to `apply`."
       )

@@ -182,7 +182,7 @@ def apply_linen_embedding_grads(embedding: Any, grads: _grads.EmbeddingGradients
         layer_grads.batch,
         layer_grads.activation_grads,
         backend=layer_grads.backend,
-        owner=f"LinenSparseEmbed {key!r}",
+        owner=_grads.layer_owner("LinenSparseEmbed", key),
     )
     new = _replace(new, layer_grads.path, updated)
   return dict(new)

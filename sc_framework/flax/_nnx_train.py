@@ -96,7 +96,7 @@ def apply_nnx_embedding_grads(model: nnx.Module, grads: _grads.EmbeddingGradient
         layer_grads.batch,
         layer_grads.activation_grads,
         backend=layer_grads.backend,
-        owner=f"NnxSparseEmbed {key!r}",
+        owner=_grads.layer_owner("NnxSparseEmbed", key),
     )
     layer.set_embedding_state(updated)
 

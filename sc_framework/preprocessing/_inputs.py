@@ -590,6 +590,8 @@ def _sequence_csr(value: FeatureInput, feature: FeatureSpec, owner: str,
         f" {int(positions[k])}, but the feature is a sequence of length {length} (input_shape"
         f" {feature.input_shape}). Truncate the sequences to {length} positions, or raise"
         " the sequence length of input_shape and output_shape."
+        + (f" If {int(values[k])} pads the sequences, pass padding_id={int(values[k])}."
+           if padding_id is None and int(values[k]) < 0 else "")
     )
   splits = np.zeros(batch * length + 1, np.int64)
   np.cumsum(np.bincount(samples * length + positions, minlength=batch * length),

@@ -141,7 +141,8 @@ def _stacks(features, feature_specs, layout, padding_id, capacities, devices
   if isinstance(padding_id, Mapping):
     unknown = sorted(set(padding_id) - {spec.name for spec in specs})
     if unknown:
-      raise ValueError(f"padding_id names unknown features {unknown}.")
+      raise ValueError(f"padding_id names unknown features {unknown}; the features are"
+                       f" {sorted(spec.name for spec in specs)}.")
   by_name = {spec.name: spec for spec in specs}
   sizes = stack_capacities(specs, layout, capacities)
   g_count = layout.num_devices

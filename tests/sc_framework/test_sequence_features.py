@@ -370,3 +370,26 @@ def test_each_position_entry_carries_its_weight_whatever_the_combiner(combiner, 
   assert_same_bits(buffers.entry_gains[0][real][mine], weights[b, l])
   if capacity is None:  # every position with an id has its entry
     assert mine.sum() == (ids != PAD).sum()
+
+
+def test_messages_for_what_a_port_from_the_sparsecore_stack_tries():
+  """A flattened output shape, padding without padding_id and a misspelt padding_id key
+  got messages without the fix."""
+  words = TableSpec("words", 20, 4, optimizer=SGD(0.1))
+  with pytest.raises(ValueError, match=re.escape(
+      "output batch 12 differs from input batch 3. For one embedding per position (a sequence"
+      " feature), set output_shape=(3, 4, 4)")):
+    FeatureSpec("s", words, (3, 4), (12, 4))
+  spec = FeatureSpec("s", words, (3, 2), (3, 2, 4))
+  layout = auto_stack_tables([spec], 1)
+  padded = np.array([[1, 2, -1], [3, -1, -1], [4, 5, -1]])
+  with pytest.raises(ValueError, match=r"has id -1 at position 2, .* If -1 pads the sequences,"
+                                       r" pass padding_id=-1\."):
+    preprocess({"s": padded}, [spec], layout)
+  batch, _ = preprocess({"s": padded}, [spec], layout, padding_id=-1)  # the fix works
+  with pytest.raises(ValueError, match=re.escape(
+      "padding_id names unknown features ['seq']; the features are ['s'].")):
+    preprocess({"s": padded}, [spec], layout, padding_id={"seq": -1})
+  wide = np.array([[1, 2, 7]] * 3)
+  with pytest.raises(ValueError, match=r"has id 7 at position 2, .* output_shape\.$"):
+    preprocess({"s": wide}, [spec], layout)

@@ -300,3 +300,15 @@ def test_a_loss_closing_over_the_steps_batch_may_checkpoint_the_whole_loss():
   plain, checkpointed = (gradients(state.params, state.embedding, batch, labels, checkpoint)
                          for checkpoint in (False, True))
   ref.assert_trees_close(checkpointed, plain, steps=1)
+
+
+def test_a_top_level_layer_is_named_as_such_in_its_errors():
+  """A layer applied on its own has the empty key: errors read "LinenSparseEmbed ''"."""
+  users = TableSpec("users", 64, 8, optimizer=SGD(0.1))
+  features = (FeatureSpec("user", users, (ref.BATCH, 2)),)
+  layer = LinenSparseEmbed(features, mesh=ref.mesh(8))
+  ids = np.arange(2 * ref.BATCH).reshape(ref.BATCH, 2) % 64
+  batch, _ = preprocess({"user": DenseIds(ids)}, features, layer.plan.layout)
+  variables = layer.init(jax.random.key(0), batch)
+  with pytest.raises(TypeError, match=r"^LinenSparseEmbed \(the top-level module\): batch must"):
+    layer.apply(variables, {"user": ids})
