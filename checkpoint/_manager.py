@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import json
 import logging
 import math
 import os
@@ -44,7 +45,6 @@ from orbax.checkpoint import checkpoint_managers as policies
 
 from checkpoint import _exit, _integrity, _steps, _storage
 from checkpoint._compact import finish_interrupted_compactions
-from checkpoint._format import MANIFEST_FILE
 from checkpoint._errors import (
     CheckpointError,
     CheckpointReadError,
@@ -52,6 +52,7 @@ from checkpoint._errors import (
     MissingItemError,
     NotACheckpointError,
 )
+from checkpoint._format import MANIFEST_FILE
 from checkpoint._handler import (
     EmbeddingCheckpointHandler,
     EmbeddingRestore,
@@ -382,6 +383,8 @@ class CheckpointManager:
       item name -> restored value (the embedding item under `embedding_item`).
 
     Raises:
+      TypeError, ValueError: `step` is not an int >= 0 (a numpy or 0-d integer
+        array is taken).
       NotACheckpointError: no complete step exists, or `step` is not one, or
         was deleted while it was being restored (by the retention of a job
         writing the directory; with step None the newest step left is
@@ -715,10 +718,10 @@ def _refuse_a_step_or_item(directory: epath.Path) -> None:
   above it (a step's item and a folder inside it), which on cloud storage
   costs a few requests only."""
   for path in [directory, *list(directory.parents)[:3]]:
-    if (path / _integrity.INTEGRITY_FILE).exists() or (
-        path / _integrity.ORBAX_STEP_METADATA).exists():
+    if (path / _integrity.ORBAX_STEP_METADATA).exists() or _is_ours(
+        path / _integrity.INTEGRITY_FILE):
       article, kind, root = "a", "checkpoint step", path.parent
-    elif (path / MANIFEST_FILE).exists():
+    elif _is_ours(path / MANIFEST_FILE):
       article, kind, root = "an", "embedding item", path.parent.parent
     else:
       continue
@@ -727,6 +730,17 @@ def _refuse_a_step_or_item(directory: epath.Path) -> None:
         f"{directory} {place}: a CheckpointManager takes the directory that holds the steps"
         f" (here {root}), not a step or an item inside one."
     )
+
+
+def _is_ours(manifest_file: epath.Path) -> bool:
+  """Whether the file is a manifest of this library's checkpoints (a step's integrity
+  manifest, an item's manifest), not any file of that name."""
+  try:
+    manifest = json.loads(manifest_file.read_text())
+  except (OSError, ValueError):
+    return False
+  return isinstance(manifest, dict) and str(manifest.get("format", "")).startswith(
+      "sc_framework.")
 
 
 def _glob_misreads(path: str) -> list[str]:

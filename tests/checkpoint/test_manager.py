@@ -550,6 +550,15 @@ def test_a_manager_of_a_step_or_an_item_is_refused_naming_the_root(tmp_path, rea
         f"(here {root}), not a step or an item inside one")):
       ck.CheckpointManager(inside, read_only=read_only)
   assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == before
+  # Folders that merely hold files of those names are no checkpoint.
+  project = tmp_path / "web project"
+  (project / "7").mkdir(parents=True)
+  (project / "manifest.json").write_text('{"name": "my extension"}')
+  (project / "7" / "integrity.json").write_text("{}")
+  (project / "integrity.json").write_text("{}")
+  for directory in (project / "ckpt", project / "7" / "ckpt"):
+    with ck.CheckpointManager(directory, read_only=read_only) as mngr:
+      assert mngr.all_steps() == []
 
 
 def test_a_home_relative_directory_is_expanded_not_made_here(tmp_path, monkeypatch):
