@@ -43,13 +43,17 @@ def default_to_host_devices(count: int) -> None:
 
 
 def json_path(text: str) -> str:
-  """An argparse type: a file path whose directory exists (checked before the run,
-  not after it)."""
+  """An argparse type: a file path this process can write, in a directory that
+  exists (checked before the run, not after it)."""
+  if not text or text.endswith(os.sep) or os.path.isdir(text):
+    raise argparse.ArgumentTypeError(f"{text!r} is no file path; give one, e.g. results.json")
   directory = os.path.dirname(os.path.abspath(text))
-  if os.path.isdir(text):
-    raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a file path")
   if not os.path.isdir(directory):
     raise argparse.ArgumentTypeError(f"{text!r}: its directory {directory!r} does not exist")
+  writable = os.access(text, os.W_OK) if os.path.exists(text) else os.access(
+      directory, os.W_OK | os.X_OK)
+  if not writable:
+    raise argparse.ArgumentTypeError(f"{text!r} cannot be written (no permission there)")
   return text
 
 
@@ -153,12 +157,19 @@ def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str
   """
   cells = [[header for _, header, _ in columns]]
   for row in rows:
-    cells.append([format(row[key], spec) for key, _, spec in columns])
+    cells.append([_cell(row[key], spec) for key, _, spec in columns])
   widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
   for index, line in enumerate(cells):
     print("  ".join(cell.rjust(width) for cell, width in zip(line, widths)))
     if index == 0:
       print("  ".join("-" * width for width in widths))
+
+
+def _cell(value: Any, spec: str) -> str:
+  """A table cell; '-' where the value does not apply (None or NaN)."""
+  if value is None or (isinstance(value, float) and math.isnan(value)):
+    return "-"
+  return format(value, spec)
 
 
 def machine_info() -> dict[str, Any]:

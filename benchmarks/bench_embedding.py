@@ -52,7 +52,6 @@ from sc_framework.primitives import (  # noqa: E402
 from sc_framework.primitives._row_ops import CPU_KERNEL_OPS, XLA_OPS  # noqa: E402
 
 MAX_IDS = 20
-TORCHREC_ROWWISE_ADAGRAD_MS = 180.0  # TorchRec fused CPU kernels, same machine (issue figure)
 
 
 def make_ids(rng, num_tables, batch, vocab, distribution):
@@ -226,8 +225,6 @@ def main(argv=None):
                                                " glibc keeps freed memory for reuse on CPU)"})
   allocator = "system" if args.system_malloc else ("keep" if keep_freed_memory() else "system")
   num_tables, vocab, dim, batch = (26, 100_000, 64, 4096) if not args.quick else (8, 50_000, 64, 1024)
-  # The TorchRec figure is one of its CPU step on the full configuration.
-  vs_torchrec = jax.default_backend() == "cpu" and not args.quick
   rows = []
   for distribution in ("uniform", "zipf"):
     for name, optimizer in (("sgd", SGD(0.01)), ("rowwise_adagrad", RowWiseAdagrad(0.01))):
@@ -238,7 +235,6 @@ def main(argv=None):
           "case": f"{distribution}/{name}", "total_rows": num_tables * vocab,
           "ours_ms": mine["step_ms"], "lookup_ms": mine["lookup_ms"], "update_ms": mine["update_ms"],
           "plain_jax_ms": base, "speedup": base / mine["step_ms"],
-          **({"vs_torchrec": mine["step_ms"] / TORCHREC_ROWWISE_ADAGRAD_MS} if vs_torchrec else {}),
       })
       del plan, buffers
   plan, _, buffers = build(num_tables, vocab, dim, batch, RowWiseAdagrad(0.01), "uniform")
@@ -251,8 +247,6 @@ def main(argv=None):
       ("update_ms", "update ms", ".1f"), ("plain_jax_ms", "plain JAX ms", ".1f"),
       ("speedup", "plain/ours", ".2f"),
   ]
-  if vs_torchrec:
-    columns.append(("vs_torchrec", "ours/TorchRec(180ms)", ".2f"))
   print_table(rows, columns)
 
   print("\nparts of one row-wise Adagrad step (uniform ids), each timed alone; the single-device"
@@ -275,8 +269,6 @@ def main(argv=None):
                       ("plain_jax_ms", "plain JAX ms", ".1f"), ("speedup", "plain/ours", ".2f")])
   result = {"benchmark": "embedding", "quick": args.quick, "backend": backend,
             "host_allocator": allocator, "parts_ms": part_ms, "cases": rows, "sweep": sweep}
-  if vs_torchrec:
-    result["torchrec_rowwise_adagrad_ms"] = TORCHREC_ROWWISE_ADAGRAD_MS
   print(json.dumps({**result, "machine": machine_info()}))
   write_json(args.json, result)
 

@@ -44,6 +44,13 @@ are interleaved the same way. Part 2 needs no TorchRec.
 Every figure is the median over --repeats rounds, after one warm-up round;
 the table also shows the process CPU time per call.
 
+torch's OpenMP threads (GNU libgomp) by default spin for a while after each
+parallel region; on a machine of few cores that spinning takes the cores from
+whatever runs next in the interleaved rounds (our step, or TorchRec's own
+next operation). This script therefore sets OMP_WAIT_POLICY=PASSIVE (idle
+threads sleep at once) unless OMP_WAIT_POLICY is set already; the header
+names the policy in force. Set it to ACTIVE to measure with spinning.
+
 TorchRec is a benchmark extra, never a dependency of the project. The set
 known to install and load together (Linux x86_64, CPU only):
 
@@ -65,6 +72,9 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import sys
+
+# Before torch (and its OpenMP runtime) is loaded: see the docstring.
+OMP_WAIT_POLICY = os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # The repository root after site-packages: an installed sc-framework (with its built
 # kernels) comes first; a checkout without an install runs from its sources.
@@ -99,12 +109,14 @@ PARTS = ("all", "torchrec", "plain-jax")
 
 
 def _torchrec_missing() -> str | None:
-  """None when TorchRec and fbgemm load, else why not."""
+  """None when TorchRec and fbgemm load, else why not (not installed, or failing to load)."""
   try:
     import fbgemm_gpu  # noqa: F401
     import torchrec  # noqa: F401
   except Exception as error:  # an ImportError, or a library that fails to load
-    return f"{type(error).__name__}: {error}".splitlines()[0]
+    why = f"{type(error).__name__}: {error}".splitlines()[0]
+    state = "not installed" if isinstance(error, ModuleNotFoundError) else "fails to load"
+    return f"TorchRec {state} ({why})"
   return None
 
 
@@ -344,16 +356,16 @@ def main(argv=None) -> dict:
   if part in ("all", "torchrec"):
     missing = _torchrec_missing()
     if missing is not None:
-      print(f"TorchRec comparison skipped: TorchRec is not installed ({missing}); see this"
-            " script's docstring for the install recipe.")
-      result["torchrec_skipped"] = f"TorchRec is not installed ({missing})"
+      print(f"TorchRec comparison skipped: {missing}. The README's Benchmarks section (and"
+            " this script's docstring) give the set of versions to install.")
+      result["torchrec_skipped"] = missing
     else:
       import torch
       import torchrec
 
       rows = vs_torchrec(config, args.repeats)
       print(f"\nours vs TorchRec {torchrec.__version__} (torch {torch.__version__},"
-            f" {torch.get_num_threads()} threads): {header}")
+            f" {torch.get_num_threads()} threads, OMP_WAIT_POLICY={OMP_WAIT_POLICY}): {header}")
       print_table(rows, [
           ("optimizer", "optimizer", "s"), ("torchrec_ms", "TorchRec ms", ".1f"),
           ("ours_step_ms", "ours step ms", ".1f"),
@@ -369,7 +381,8 @@ def main(argv=None) -> dict:
           ("ours_step_faults", "step page faults", ".0f"),
       ])
       result["torchrec"] = {"version": torchrec.__version__, "torch": torch.__version__,
-                            "torch_threads": torch.get_num_threads(), "results": rows}
+                            "torch_threads": torch.get_num_threads(),
+                            "omp_wait_policy": OMP_WAIT_POLICY, "results": rows}
   if part in ("all", "plain-jax"):
     rows = vs_plain_jax(config, args.repeats)
     print(f"\nours vs plain JAX (dense gradients + optax; FTRL: the dense textbook rule): {header}")
