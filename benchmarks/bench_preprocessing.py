@@ -210,6 +210,7 @@ def main(argv=None) -> list[dict]:
   ])
   write_json(args.json, {
       "benchmark": "preprocessing",
+      "quick": args.quick,
       "config": {"features": NUM_FEATURES, "batch": BATCH, "vocab": VOCAB, "dim": DIM,
                  "ids_per_sample": [1, MAX_IDS], "zipf_exponent": ZIPF_EXPONENT,
                  "num_devices": 1, "shards_per_device": 1, "repeats": args.repeats},
