@@ -18,7 +18,11 @@ waits for
      object says.
 
 A save that fails then, and a Ctrl-C that abandons the wait, are named on
-stderr (the exit goes on; its status is the program's). Only in a
+stderr (the exit goes on; its status is the program's). Python 3.12.0 to
+3.12.2 refuse to start threads once the interpreter exits (CPython issue
+113964, fixed in 3.12.3), and Orbax starts one to commit a save: there a save
+still running at exit fails whatever is waited for, and stderr says so and
+what to do. Only in a
 single-process job: with several processes a save's commit waits for every
 process, and one process ending alone would wait for peers that may never
 come; such jobs close their managers (the Trainer waits for its saves).
@@ -43,6 +47,9 @@ import jax
 # Orbax's threads that write and commit a save (AsyncCheckpointer, CheckpointManager).
 _SAVE_THREADS = frozenset({"async_save", "save_finalize"})
 _SAY_AFTER_S = 1.0  # A wait this long at exit is announced.
+
+# CPython issue 113964: no new thread at exit, which Orbax's commit of a save needs.
+THREADS_REFUSED_AT_EXIT = (3, 12, 0) <= sys.version_info[:3] < (3, 12, 3)
 
 _open_managers: weakref.WeakSet = weakref.WeakSet()
 _lock = threading.Lock()
@@ -95,6 +102,12 @@ def _finish_saves() -> None:
     return
   with _lock:
     managers = list(_open_managers)
+  if THREADS_REFUSED_AT_EXIT and _save_threads():
+    _say(f"a checkpoint save is still running at exit, and Python {sys.version.split()[0]}"
+         " cannot start the thread Orbax needs to commit it (CPython issue 113964, fixed in"
+         " 3.12.3): that save will fail, and the steps saved before it are kept. Close the"
+         " CheckpointManager (or use it in a with block) before the program ends, or use"
+         " Python 3.12.3 or newer.")
   try:
     for manager in managers:
       try:
@@ -110,11 +123,17 @@ def _finish_saves() -> None:
          " it left).")
 
 
+def _save_threads() -> list[threading.Thread]:
+  """The Orbax save threads still running, besides this one."""
+  current = threading.current_thread()
+  return [thread for thread in threading.enumerate()
+          if thread.name in _SAVE_THREADS and thread is not current
+          and thread.ident in sys._current_frames()]
+
+
 def _wait_for_save_threads() -> None:
   """Blocks while an Orbax save thread still runs (see the module doc)."""
-  current = threading.current_thread()
-  threads = [thread for thread in threading.enumerate()
-             if thread.name in _SAVE_THREADS and thread is not current]
+  threads = _save_threads()
   start, said = time.monotonic(), False
   while any(thread.ident in sys._current_frames() for thread in threads):
     if not said and time.monotonic() - start > _SAY_AFTER_S:

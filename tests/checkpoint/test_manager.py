@@ -18,6 +18,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import checkpoint as ck
+from checkpoint._exit import THREADS_REFUSED_AT_EXIT
 from ckpt_testlib import AXIS, make_mesh, make_model
 from sc_framework.optimizers import RowWiseAdagrad
 from tests.numerics import assert_same_bits
@@ -481,6 +482,10 @@ def test_a_program_that_exits_without_closing_its_manager_keeps_its_last_save(tm
       [sys.executable, "-c", _EXITS_WITHOUT_CLOSE, str(tmp_path / "run"), manager.split()[0]],
       capture_output=True, text=True, env=env, timeout=300)
   assert done.returncode == 0 and "SAVES STARTED" in done.stdout, done.stderr
+  if THREADS_REFUSED_AT_EXIT:  # This Python cannot finish the save: the user is told why.
+    assert "cannot start the thread Orbax needs to commit it (CPython issue 113964" in (
+        done.stderr), done.stderr
+    pytest.skip("Python 3.12.0-3.12.2 start no thread at exit (CPython issue 113964)")
   assert "cannot schedule" not in done.stderr and "Traceback" not in done.stderr, done.stderr
   assert sorted(os.listdir(tmp_path / "run")) == ["0", "1", "2"]
   with ck.CheckpointManager(tmp_path / "run", read_only=True) as mngr:
