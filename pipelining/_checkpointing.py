@@ -445,11 +445,8 @@ def _check_same_batch_shape(step: int, directory: epath.Path,
                       **saved[spec.name]}) for spec in specs]
   changed = [f"{entry['batch_size']} samples then, {spec.batch_size} now (feature {spec.name!r})"
              for spec, entry in recorded if entry["batch_size"] != spec.batch_size][:1]
-  def kind(length):
-    return "a combined feature" if length is None else f"sequence length {length}"
-
-  changed += [f"feature {spec.name!r}: {kind(entry['sequence_length'])} then,"
-              f" {kind(spec.sequence_length)} now"
+  changed += [f"feature {spec.name!r}: {_shape_kind(entry['sequence_length'])} then,"
+              f" {_shape_kind(spec.sequence_length)} now"
               for spec, entry in recorded if entry["sequence_length"] != spec.sequence_length]
   if changed:
     raise IncompatibleCheckpointError(
@@ -460,6 +457,10 @@ def _check_same_batch_shape(step: int, directory: epath.Path,
         " written with and pipelining off, for one step (its checkpoint holds no batch in"
         " flight), or use one written by a fit that ran to the end of its data."
     )
+
+
+def _shape_kind(sequence_length: int | None) -> str:
+  return "a combined feature" if sequence_length is None else f"sequence length {sequence_length}"
 
 
 def _check_looked_up_alike(step: int, directory: epath.Path,

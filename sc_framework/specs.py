@@ -268,10 +268,12 @@ def validate_feature_specs(feature_specs: Sequence[FeatureSpec]) -> tuple[Featur
   """Checks a model's features as a whole and returns them as a tuple.
 
   Raises:
+    TypeError: a nested structure (a dict) or a single FeatureSpec, or a value
+      that is no FeatureSpec.
     ValueError: no features, duplicate feature names, or two different tables
       with the same name.
   """
-  if isinstance(feature_specs, Mapping) or isinstance(feature_specs, FeatureSpec):
+  if isinstance(feature_specs, (Mapping, FeatureSpec)):
     given = "a FeatureSpec" if isinstance(feature_specs, FeatureSpec) else (
         f"a {type(feature_specs).__name__} (keys {list(feature_specs)[:5]})")
     raise TypeError(
