@@ -57,7 +57,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks._common import parse_args, print_table, time_interleaved, write_json  # noqa: E402
 from benchmarks.bench_vs_torchrec import (  # noqa: E402
-    LEARNING_RATE, OMP_WAIT_POLICY, Ours, TorchRec, _torchrec_missing, make_batch)
+    LEARNING_RATE, OMP_WAIT_POLICY, Ours, TorchRec, make_batch, torchrec_missing)
 from sc_framework.host_allocator import keep_freed_memory  # noqa: E402
 from sc_framework.primitives._row_ops import cpu_kernels_build  # noqa: E402
 from sc_framework.optimizers import SGD, RowWiseAdagrad  # noqa: E402
@@ -215,21 +215,21 @@ def main(argv=None) -> dict:
       result["skipped"] = "no C++ compiler found"
       write_json(args.json, result)
       return result
-    torchrec_missing = _torchrec_missing()
-    if torchrec_missing:
-      print(f"TorchRec not timed: {torchrec_missing}. Install it as the README says for"
+    missing = torchrec_missing()
+    if missing:
+      print(f"TorchRec not timed: {missing}. Install it as the README says for"
             " bench_vs_torchrec.py to see the bound on the ratio to its step.")
-      result["torchrec_skipped"] = torchrec_missing
+      result["torchrec_skipped"] = missing
     else:
       result["omp_wait_policy"] = OMP_WAIT_POLICY
-    rows = [measure(library, config, optimizer, args.repeats, not torchrec_missing)
+    rows = [measure(library, config, optimizer, args.repeats, not missing)
             for optimizer in (SGD(LEARNING_RATE), RowWiseAdagrad(LEARNING_RATE))]
   num_tables, vocab, dim, batch = config
   print(f"\nours vs the memory floor: {num_tables} tables x {vocab:,} rows x dim {dim}, batch"
         f" {batch:,}, 1-20 uniform ids/sample; median of {args.repeats} interleaved rounds;"
         f" host allocator {allocator!r}; backend {rows[0]['backend']!r}; C++ kernels build"
         f" {cpu_kernels_build()!r}"
-        + ("" if torchrec_missing else f"; OMP_WAIT_POLICY={OMP_WAIT_POLICY}"))
+        + ("" if missing else f"; OMP_WAIT_POLICY={OMP_WAIT_POLICY}"))
   print_table(rows, [
       ("optimizer", "optimizer", "s"),
       ("ours_lookup_ms", "lookup ms", ".1f"), ("floor_lookup_ms", "floor", ".1f"),

@@ -108,7 +108,7 @@ LEARNING_RATE = 0.01
 PARTS = ("all", "torchrec", "plain-jax")
 
 
-def _torchrec_missing() -> str | None:
+def torchrec_missing() -> str | None:
   """None when TorchRec and fbgemm load, else why not (not installed, or failing to load)."""
   try:
     import fbgemm_gpu  # noqa: F401
@@ -354,7 +354,7 @@ def main(argv=None) -> dict:
             "config": {"tables": num_tables, "vocab": vocab, "dim": dim, "batch": batch,
                        "ids_per_sample": [1, MAX_IDS], "learning_rate": LEARNING_RATE}}
   if part in ("all", "torchrec"):
-    missing = _torchrec_missing()
+    missing = torchrec_missing()
     if missing is not None:
       print(f"TorchRec comparison skipped: {missing}. The README's Benchmarks section (and"
             " this script's docstring) give the set of versions to install.")
