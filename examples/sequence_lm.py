@@ -240,6 +240,11 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
   parser = build_parser()
   args = parser.parse_args(argv)
+  processes = os.environ.get("JAX_NUM_PROCESSES", "").strip()
+  if processes not in ("", "0", "1"):
+    # Each process would train alone on the same workdir, and their saves collide.
+    parser.error(f"this example runs in one process, but JAX_NUM_PROCESSES={processes} is set;"
+                 " unset it (examples/dlrm.py shows a job of several processes)")
   if args.text is None:
     if args.vocab < 2:
       parser.error(f"--vocab must be at least 2, got {args.vocab}")

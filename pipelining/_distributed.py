@@ -133,12 +133,14 @@ def resolve_job_settings(coordinator_address=None, num_processes=None,
 class DistributedJob:
   """This process's place in a job; a context manager that fails fast.
 
-  Leaving the `with` block with an exception (anything but `SystemExit`)
-  prints it and ends the process at once with status 1 (`os._exit`: no
-  `finally` blocks or exit handlers outside the block run), so that the
-  other processes stop within `heartbeat_timeout_s` instead of waiting in a
-  collective for a peer that will never come; see the module docstring.
-  Leaving it normally, or any use in a single process, changes nothing.
+  Leaving the `with` block with an exception prints it and ends the process
+  at once with status 1 (`os._exit`: no `finally` blocks or exit handlers
+  outside the block run), so that the other processes stop within
+  `heartbeat_timeout_s` instead of waiting in a collective for a peer that
+  will never come; see the module docstring. A `SystemExit` of a failure
+  (a status other than 0 or None, as argparse's error exits with 2) ends it
+  the same way with its own status, after its message; one of success takes
+  Python's usual path, as leaving normally or any use in a single process.
   Nothing is installed process-wide: the fail-fast exit covers exactly the
   code inside the block.
 
@@ -166,8 +168,10 @@ class DistributedJob:
 
   def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
                tb: TracebackType | None) -> None:
-    if value is None or not self.joined or isinstance(value, SystemExit):
+    if value is None or not self.joined:
       return
+    if isinstance(value, SystemExit) and value.code in (None, 0):
+      return  # A successful exit: the others finish too.
     _fail_fast(self, kind, value, tb)
 
 
@@ -256,15 +260,24 @@ _COORDINATOR_GRACE_S = 5.0
 
 
 def _fail_fast(job: DistributedJob, kind, value, tb) -> None:
-  """Prints the exception, tells the coordinator, and ends the process (status 1)."""
+  """Prints the exception, tells the coordinator, and ends the process (status 1, or
+  a failing SystemExit's own status: its message, e.g. argparse's, is printed already)."""
+  status = 1
   try:
-    traceback.print_exception(kind, value, tb)
+    if isinstance(value, SystemExit):
+      status = value.code if isinstance(value.code, int) else 1
+      if not isinstance(value.code, int):
+        sys.stderr.write(f"{value.code}\n")
+      failed = f"exited with status {status}"
+    else:
+      traceback.print_exception(kind, value, tb)
+      failed = f"failed with {kind.__name__}"
     hint = ""
     if isinstance(value, jax.errors.JaxRuntimeError):
       hint = (" A failed collective or runtime call usually means another process died or"
               " failed first: see the other processes' logs.")
     sys.stderr.write(
-        f"process {job.process_id} of {job.num_processes} failed with {kind.__name__}; exiting"
+        f"process {job.process_id} of {job.num_processes} {failed}; exiting"
         f" now so that the other processes stop within {job.heartbeat_timeout_s}s instead of"
         f" hanging in a collective.{hint}\n"
     )
@@ -272,7 +285,7 @@ def _fail_fast(job: DistributedJob, kind, value, tb) -> None:
     sys.stdout.flush()
     _report_failure(job.process_id, job.num_processes)
   finally:
-    os._exit(1)
+    os._exit(status)
 
 
 def _report_failure(index: int, count: int) -> None:

@@ -60,6 +60,17 @@ def test_bad_flags_give_one_line_errors(argv, message, capsys):
   assert message in error
 
 
+def test_a_job_of_several_processes_is_refused(monkeypatch, capsys):
+  """With JAX_NUM_PROCESSES=2 each process trained alone on the same workdir, and their
+  saves collided in raw Orbax tracebacks."""
+  monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+  with pytest.raises(SystemExit) as exit_info:
+    sequence_lm.main(SMALL + ["--steps", "1", "--workdir", ""])
+  assert exit_info.value.code == 2
+  assert ("this example runs in one process, but JAX_NUM_PROCESSES=2 is set" in
+          capsys.readouterr().err.strip().splitlines()[-1])
+
+
 def test_a_text_that_is_not_utf8_is_one_line_naming_the_byte(tmp_path, capsys):
   """It was a UnicodeDecodeError traceback."""
   text = tmp_path / "latin1.txt"

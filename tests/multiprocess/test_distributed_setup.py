@@ -65,6 +65,19 @@ finally:
   print("outer finally ran", flush=True)
 """
 
+_EXITING_JOB = """
+import sys
+from pipelining import DistributedJob
+try:
+  with DistributedJob(process_id=1, num_processes=2, heartbeat_timeout_s=7):
+    print("inside", flush=True)
+    if {code} == 2:
+      print("prog: error: a bad flag", file=sys.stderr)
+    sys.exit({code})
+finally:
+  print("outer finally ran", flush=True)
+"""
+
 _FINISHING_JOB = """
 import sys
 from pipelining import DistributedJob
@@ -73,7 +86,7 @@ with DistributedJob(process_id=1, num_processes=2, heartbeat_timeout_s=7):
   pass
 try:
   with DistributedJob(process_id=1, num_processes=2, heartbeat_timeout_s=7):
-    sys.exit(3)
+    sys.exit(0)
 finally:
   assert sys.excepthook is hook
   print("after the job", flush=True)
@@ -95,9 +108,23 @@ def test_a_joined_job_fails_fast_only_inside():
   assert "KeyError: 'failure inside the job'" in failed.stderr
   assert "process 1 of 2 failed with KeyError; exiting now so that the other processes stop" \
          " within 7s" in failed.stderr
-  # Leaving normally, or with SystemExit, takes Python's usual path.
+  # Leaving normally, or with a SystemExit of success, takes Python's usual path.
   finished = _run_python(_FINISHING_JOB)
-  assert (finished.returncode, finished.stdout) == (3, "after the job\n"), finished.stderr
+  assert (finished.returncode, finished.stdout) == (0, "after the job\n"), finished.stderr
+
+
+def test_a_failing_exit_of_one_process_ends_it_at_once_with_its_status():
+  """An argparse error in one process only (a flag the others did not get) exited through
+  Python's shutdown, which waits for the other processes: the job hung a minute, then the
+  runtime aborted every process without saying why."""
+  failed = _run_python(_EXITING_JOB.format(code=2))
+  assert failed.returncode == 2 and failed.stdout == "inside\n", failed.stderr
+  assert "prog: error: a bad flag" in failed.stderr and "Traceback" not in failed.stderr
+  assert ("process 1 of 2 exited with status 2; exiting now so that the other processes stop"
+          " within 7s") in failed.stderr, failed.stderr
+  message = _run_python(_EXITING_JOB.format(code="'a message'"))
+  assert message.returncode == 1 and "a message\nprocess 1 of 2 exited with status 1" in (
+      message.stderr), message.stderr
 
 
 def test_the_private_runtime_client_is_where_it_is_read(monkeypatch):
