@@ -122,10 +122,14 @@ def time_median(fn: Callable[[int], Any], repeats: int, *, warmup: int = 1) -> d
   }
 
 
-def time_interleaved(cases: Mapping[str, Callable[[int], object]], repeats: int) -> dict[str, dict]:
+def time_interleaved(cases: Mapping[str, Callable[[int], object]], repeats: int, *,
+                     settle_s: float = 0.0) -> dict[str, dict]:
   """Calls every case once per round, fn(i) in round i = 0..repeats; round 0
   is the untimed warm-up. A load change on a shared machine then hits every
-  case alike, which keeps their ratios meaningful.
+  case alike, which keeps their ratios meaningful. `settle_s` seconds are
+  slept, untimed, after every call: a thread pool that spins idle after its
+  work (OpenMP's, Eigen's) then stops before the next case is timed, so no
+  case pays for the one before it.
 
   Returns per case {"ms", "min_ms", "max_ms", "cpu_ms", "faults"}: medians
   (and extremes) of the wall-clock and process CPU times of its calls, and
@@ -142,6 +146,7 @@ def time_interleaved(cases: Mapping[str, Callable[[int], object]], repeats: int)
         wall[name].append(1e3 * (time.perf_counter() - start))
         cpu[name].append(1e3 * (time.process_time() - start_cpu))
         faults[name].append(minor_faults() - start_faults)
+      time.sleep(settle_s)
   return {name: {"ms": statistics.median(wall[name]), "min_ms": min(wall[name]),
                  "max_ms": max(wall[name]), "cpu_ms": statistics.median(cpu[name]),
                  "faults": statistics.median(faults[name])}

@@ -57,7 +57,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks._common import parse_args, print_table, time_interleaved, write_json  # noqa: E402
 from benchmarks.bench_vs_torchrec import (  # noqa: E402
-    LEARNING_RATE, OMP_WAIT_POLICY, Ours, TorchRec, make_batch, torchrec_missing)
+    LEARNING_RATE, SETTLE_S, Ours, TorchRec, make_batch, omp_wait_policy, torchrec_missing)
 from sc_framework.host_allocator import keep_freed_memory  # noqa: E402
 from sc_framework.primitives._row_ops import cpu_kernels_build  # noqa: E402
 from sc_framework.optimizers import SGD, RowWiseAdagrad  # noqa: E402
@@ -180,7 +180,7 @@ def measure(library, config, optimizer, repeats: int, with_torchrec: bool) -> di
   if with_torchrec:
     torchrec = TorchRec(num_tables, vocab, dim, OPTIMIZER_NAMES[type(optimizer)])
     cases["torchrec"] = lambda _: torchrec.train(raw)
-  timing = time_interleaved(cases, repeats)
+  timing = time_interleaved(cases, repeats, settle_s=SETTLE_S)
   ms = {case: t["ms"] for case, t in timing.items()}
   floor_step = ms["floor_lookup"] + ms["floor_update"]
   floor_e2e = floor_step + ms["prep"]
@@ -221,7 +221,7 @@ def main(argv=None) -> dict:
             " bench_vs_torchrec.py to see the bound on the ratio to its step.")
       result["torchrec_skipped"] = missing
     else:
-      result["omp_wait_policy"] = OMP_WAIT_POLICY
+      result["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY")
     rows = [measure(library, config, optimizer, args.repeats, not missing)
             for optimizer in (SGD(LEARNING_RATE), RowWiseAdagrad(LEARNING_RATE))]
   num_tables, vocab, dim, batch = config
@@ -229,7 +229,7 @@ def main(argv=None) -> dict:
         f" {batch:,}, 1-20 uniform ids/sample; median of {args.repeats} interleaved rounds;"
         f" host allocator {allocator!r}; backend {rows[0]['backend']!r}; C++ kernels build"
         f" {cpu_kernels_build()!r}"
-        + ("" if missing else f"; OMP_WAIT_POLICY={OMP_WAIT_POLICY}"))
+        + ("" if missing else omp_wait_policy().replace(",", ";")))
   print_table(rows, [
       ("optimizer", "optimizer", "s"),
       ("ours_lookup_ms", "lookup ms", ".1f"), ("floor_lookup_ms", "floor", ".1f"),

@@ -44,12 +44,14 @@ are interleaved the same way. Part 2 needs no TorchRec.
 Every figure is the median over --repeats rounds, after one warm-up round;
 the table also shows the process CPU time per call.
 
-torch's OpenMP threads (GNU libgomp) by default spin for a while after each
-parallel region; on a machine of few cores that spinning takes the cores from
-whatever runs next in the interleaved rounds (our step, or TorchRec's own
-next operation). This script therefore sets OMP_WAIT_POLICY=PASSIVE (idle
-threads sleep at once) unless OMP_WAIT_POLICY is set already; the header
-names the policy in force. Set it to ACTIVE to measure with spinning.
+torch's OpenMP threads (GNU libgomp) spin for a while after each parallel
+region before they sleep, as XLA's own pool does; on a machine of few cores
+that spinning takes the cores from whatever runs next. So every case of the
+interleaved rounds is followed by SETTLE_S of untimed sleep: each side runs
+with its threads' usual policy, and none pays for the one before it. The
+header names OMP_WAIT_POLICY where it is set (PASSIVE, threads that sleep at once, made
+TorchRec's step slower here; ACTIVE, which spins without end, slowed every case
+that followed it).
 
 TorchRec is a benchmark extra, never a dependency of the project. The set
 known to install and load together (Linux x86_64, CPU only):
@@ -72,9 +74,6 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import sys
-
-# Before torch (and its OpenMP runtime) is loaded: see the docstring.
-OMP_WAIT_POLICY = os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # The repository root after site-packages: an installed sc-framework (with its built
 # kernels) comes first; a checkout without an install runs from its sources.
@@ -105,7 +104,14 @@ from sc_framework.primitives import (  # noqa: E402
 from sc_framework.primitives._row_ops import cpu_kernels_build  # noqa: E402
 
 LEARNING_RATE = 0.01
+SETTLE_S = 0.05  # untimed sleep after every timed call (see the docstring)
 PARTS = ("all", "torchrec", "plain-jax")
+
+
+def omp_wait_policy() -> str:
+  """', OMP_WAIT_POLICY=X' where the variable is set, for a header; else ''."""
+  policy = os.environ.get("OMP_WAIT_POLICY")
+  return f", OMP_WAIT_POLICY={policy}" if policy else ""
 
 
 def torchrec_missing() -> str | None:
@@ -276,7 +282,7 @@ def vs_torchrec(config, repeats: int) -> list[dict]:
         "ours_step_features": lambda i: ours.train_features(ready[i]),
         "ours_e2e": lambda i: ours.train(ours.buffers(batches[i])),
         "ours_overlap": lambda i: overlapped(batches[i]),
-    }, repeats)
+    }, repeats, settle_s=SETTLE_S)
     overlapped.close()
     rows.append({
         "optimizer": name, "backend": ours.backend,
@@ -365,7 +371,7 @@ def main(argv=None) -> dict:
 
       rows = vs_torchrec(config, args.repeats)
       print(f"\nours vs TorchRec {torchrec.__version__} (torch {torch.__version__},"
-            f" {torch.get_num_threads()} threads, OMP_WAIT_POLICY={OMP_WAIT_POLICY}): {header}")
+            f" {torch.get_num_threads()} threads{omp_wait_policy()}): {header}")
       print_table(rows, [
           ("optimizer", "optimizer", "s"), ("torchrec_ms", "TorchRec ms", ".1f"),
           ("ours_step_ms", "ours step ms", ".1f"),
@@ -382,7 +388,8 @@ def main(argv=None) -> dict:
       ])
       result["torchrec"] = {"version": torchrec.__version__, "torch": torch.__version__,
                             "torch_threads": torch.get_num_threads(),
-                            "omp_wait_policy": OMP_WAIT_POLICY, "results": rows}
+                            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                            "settle_s": SETTLE_S, "results": rows}
   if part in ("all", "plain-jax"):
     rows = vs_plain_jax(config, args.repeats)
     print(f"\nours vs plain JAX (dense gradients + optax; FTRL: the dense textbook rule): {header}")
