@@ -38,7 +38,6 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import checkpoint_managers as policies
@@ -52,7 +51,8 @@ from checkpoint._errors import (
     MissingItemError,
     NotACheckpointError,
 )
-from checkpoint._format import MANIFEST_FILE
+from checkpoint._delta import DELTA_FORMAT
+from checkpoint._format import FORMAT_NAME, MANIFEST_FILE
 from checkpoint._handler import (
     EmbeddingCheckpointHandler,
     EmbeddingRestore,
@@ -68,6 +68,7 @@ from checkpoint._incremental import (
 from checkpoint._orbax_metrics import stop_raw_byte_queries
 from checkpoint._rows_tracker import UpdatedRows
 from checkpoint._steps import remove_unfinished_saves
+from sc_framework._scalars import python_scalar
 
 _RESERVED = ("metrics", "descriptor")
 _LOG = logging.getLogger(__name__)
@@ -695,20 +696,18 @@ class CheckpointManager:
 
 
 def step_number(step: Any) -> int:
-  """`step` as the int that names its directory: an int >= 0, a numpy integer or
-  an integer 0-d array (a jax step counter). Anything else is refused by value:
-  a float step would be saved under a directory name (`7.0`) that no listing
-  reads as a step, and a negative or bool one is never saved."""
-  dtype = getattr(step, "dtype", None)
-  integer = (isinstance(step, (int, np.integer)) and not isinstance(step, (bool, np.bool_))) or (
-      dtype is not None and np.ndim(step) == 0 and np.issubdtype(dtype, np.integer))
-  if not integer:
+  """`step` as the int that names its directory: an int >= 0, or a numpy or 0-d
+  JAX integer (a step counter; `python_scalar`). Anything else is refused by
+  value: a float step would be saved under a directory name (`7.0`) that no
+  listing reads as a step, and a negative or bool one is never saved."""
+  value = python_scalar(step)
+  if isinstance(value, bool) or not isinstance(value, int):
     raise TypeError(
         f"a checkpoint step must be an int >= 0, got {step!r} ({type(step).__name__}); pass the"
         " step number as an int (e.g. int(step)).")
-  if int(step) < 0:
-    raise ValueError(f"a checkpoint step must be an int >= 0, got {int(step)}.")
-  return int(step)
+  if value < 0:
+    raise ValueError(f"a checkpoint step must be an int >= 0, got {value}.")
+  return value
 
 
 def _refuse_a_step_or_item(directory: epath.Path) -> None:
@@ -718,10 +717,10 @@ def _refuse_a_step_or_item(directory: epath.Path) -> None:
   above it (a step's item and a folder inside it), which on cloud storage
   costs a few requests only."""
   for path in [directory, *list(directory.parents)[:3]]:
-    if (path / _integrity.ORBAX_STEP_METADATA).exists() or _is_ours(
-        path / _integrity.INTEGRITY_FILE):
+    if (path / _integrity.ORBAX_STEP_METADATA).exists() or _has_format(
+        path / _integrity.INTEGRITY_FILE, _integrity.INTEGRITY_FORMAT_NAME):
       article, kind, root = "a", "checkpoint step", path.parent
-    elif _is_ours(path / MANIFEST_FILE):
+    elif _has_format(path / MANIFEST_FILE, FORMAT_NAME, DELTA_FORMAT):
       article, kind, root = "an", "embedding item", path.parent.parent
     else:
       continue
@@ -732,15 +731,14 @@ def _refuse_a_step_or_item(directory: epath.Path) -> None:
     )
 
 
-def _is_ours(manifest_file: epath.Path) -> bool:
-  """Whether the file is a manifest of this library's checkpoints (a step's integrity
-  manifest, an item's manifest), not any file of that name."""
+def _has_format(manifest_file: epath.Path, *formats: str) -> bool:
+  """Whether the file is a JSON manifest of one of `formats` (this library's step
+  integrity manifest, or an item's manifest), not any file of that name."""
   try:
     manifest = json.loads(manifest_file.read_text())
   except (OSError, ValueError):
     return False
-  return isinstance(manifest, dict) and str(manifest.get("format", "")).startswith(
-      "sc_framework.")
+  return isinstance(manifest, dict) and manifest.get("format") in formats
 
 
 def _glob_misreads(path: str) -> list[str]:
