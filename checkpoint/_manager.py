@@ -69,6 +69,7 @@ from checkpoint._orbax_metrics import stop_raw_byte_queries
 from checkpoint._rows_tracker import UpdatedRows
 from checkpoint._steps import remove_unfinished_saves
 from sc_framework._scalars import python_scalar
+from sc_framework.primitives import check_devices_per_process
 
 _RESERVED = ("metrics", "descriptor")
 _LOG = logging.getLogger(__name__)
@@ -133,6 +134,7 @@ class CheckpointManager:
       raise ValueError(f"keep_best must be an int >= 0, got {keep_best!r}.")
     if keep_best and best_metric is None:
       raise ValueError(f"keep_best={keep_best} needs best_metric (a metrics key or a function).")
+    check_devices_per_process()  # Orbax's constructor reshapes the devices per process
     if best_mode not in ("min", "max"):
       raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}.")
     if (

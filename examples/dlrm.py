@@ -382,8 +382,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   from pipelining import Trainer
   from pipelining.plot import plot_workdir
   from sc_framework.preprocessing import collect_stats, size_limits_from_stats
+  from sc_framework.primitives import check_devices_per_process
   from sc_framework.stacking import auto_stack_tables
 
+  check_devices_per_process()  # before a message about the total (--cpu-devices per process)
   if args.batch_size % jax.device_count():
     _parser().error(f"argument --batch-size: must be a multiple of the {jax.device_count()}"
                     f" devices, got {args.batch_size}")

@@ -43,9 +43,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import json
 import math
 import os
+import socket
 import sys
 import time
 import traceback
@@ -124,9 +126,23 @@ def resolve_job_settings(coordinator_address=None, num_processes=None,
     )
   if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < count:
     raise ValueError(f"process_id must be an int in [0, {count}), got {index!r}.")
-  if ":" not in address:
-    raise ValueError(f"coordinator_address must be host:port, got {address!r}.")
+  _coordinator_port(address)
   return address, count, index
+
+
+def _coordinator_port(address: str) -> int:
+  """The port of a "host:port" coordinator address (IPv6 hosts in brackets).
+
+  Raises:
+    ValueError: no port, or one that is not an integer in [1, 65535].
+  """
+  host, colon, port = address.rpartition(":")
+  if not colon or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+    raise ValueError(
+        f"coordinator_address must be host:port with a port in [1, 65535], got {address!r}"
+        " (e.g. 'localhost:12345', or '10.0.0.1:12345' for several hosts)."
+    )
+  return int(port)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,6 +250,9 @@ def initialize_distributed(
                  "jax_cpu_get_global_topology_timeout_minutes"):
     if hasattr(jax.config, option):  # CPU start-up waits for every process this long
       jax.config.update(option, minutes)
+  if index == 0:
+    _check_port_free(address, count)
+  started = time.monotonic()
   try:
     jax.distributed.initialize(
         address, count, index,
@@ -247,12 +266,78 @@ def initialize_distributed(
           "initialize_distributed must run before any other JAX call (jax.devices(), creating"
           " arrays, a Trainer, ...): move it to the start of the program."
       ) from error
-    raise RuntimeError(
-        f"process {index} of {count} could not join the job at {address} within {timeout_s:g}s:"
-        f" {error}. Check that every process was started with the same coordinator address"
-        " and process count, that process 0 runs, and that the port is reachable."
-    ) from error
+    raise RuntimeError(_join_failure(error, address, count, index,
+                                     time.monotonic() - started, timeout_s)) from error
   return DistributedJob(index, count, int(heartbeat_timeout_s))
+
+
+def _port_in_use(address: str, count: int, reason: str) -> str:
+  return (
+      f"process 0 of {count} could not start the job's coordinator service at {address}"
+      f" ({reason}): the port is in use, by another job or by a process of an earlier run"
+      " that is still running, or the host is not an address of this machine. Choose a free"
+      " port (the same coordinator address for every process) or end the process holding it."
+  )
+
+
+def _check_port_free(address: str, count: int) -> None:
+  """Raises if process 0's coordinator service could not listen on its port.
+
+  JAX's runtime listens on every address of this host at the coordinator's
+  port (`[::]:port`, or $JAX_COORDINATOR_BIND_ADDRESS) and, when the port is
+  taken, sometimes crashes the process (a segmentation fault) instead of
+  raising. So the port is tried here first, the way the runtime binds it
+  (SO_REUSEADDR: a port left in TIME_WAIT by an earlier run is free).
+
+  Raises:
+    RuntimeError: the port is in use, naming it and what to do.
+  """
+  bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") or f"[::]:{_coordinator_port(address)}"
+  host, _, port = bind.rpartition(":")
+  host = host.strip("[]")
+  families = [(socket.AF_INET6, host or "::"), (socket.AF_INET, "0.0.0.0")] if host in (
+      "", "::", "0.0.0.0") else [(socket.AF_UNSPEC, host)]
+  for family, bind_host in families:
+    try:
+      infos = socket.getaddrinfo(bind_host, int(port), family, socket.SOCK_STREAM, 0,
+                                 socket.AI_PASSIVE)
+    except (OSError, ValueError):
+      continue  # an address the runtime resolves otherwise: it says what is wrong
+    for info_family, kind, protocol, _, socket_address in infos:
+      try:
+        probe = socket.socket(info_family, kind, protocol)
+      except OSError:
+        continue  # no IPv6 here: the IPv4 wildcard is tried next
+      with probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if info_family == socket.AF_INET6:
+          probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        try:
+          probe.bind(socket_address)
+        except OSError as error:
+          if error.errno == errno.EADDRINUSE:
+            raise RuntimeError(_port_in_use(address, count, f"port {port}: {error.strerror}"))
+          continue
+        return
+
+
+def _join_failure(error: Exception, address: str, count: int, index: int,
+                  elapsed_s: float, timeout_s: float) -> str:
+  """Why this process could not join the job, and what to check.
+
+  Process 0 starts the coordinator service on the address's port; when the
+  runtime cannot start it ("Failed to start RPC server"), the port is taken
+  or the host is no address of this machine: that is said instead of a
+  timeout, since it fails at once.
+  """
+  if index == 0 and "Failed to start RPC server" in str(error):
+    return _port_in_use(address, count, str(error))
+  return (
+      f"process {index} of {count} could not join the job at {address}: {error} (after"
+      f" {elapsed_s:.0f}s; the timeout is {timeout_s:g}s). Check that every process was started"
+      " with the same coordinator address and process count, that process 0 runs, and that"
+      " the port is reachable."
+  )
 
 
 _FAILED_KEY = f"{_KEY_PREFIX}/failed"

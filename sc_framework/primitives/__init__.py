@@ -21,6 +21,7 @@ from sc_framework.primitives._backend import (
 from sc_framework.primitives._plan import (
     DEFAULT_AXIS_NAME,
     EmbeddingPlan,
+    check_devices_per_process,
     default_mesh,
     mesh_axis_size,
     process_major_devices,
@@ -38,6 +39,7 @@ __all__ = [
     "EmbeddingPlan",
     "EmbeddingVariables",
     "DEFAULT_AXIS_NAME",
+    "check_devices_per_process",
     "process_major_devices",
     "default_mesh",
     "mesh_axis_size",

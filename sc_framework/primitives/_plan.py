@@ -41,8 +41,32 @@ def process_major_devices(devices: Sequence[jax.Device] | None = None) -> list[j
   Args:
     devices: the devices to order; None: all devices of every process.
   """
+  if devices is None:
+    check_devices_per_process()
   return sorted(jax.devices() if devices is None else devices,
                 key=lambda d: (d.process_index, d.id))
+
+
+def check_devices_per_process() -> None:
+  """Checks that this process holds its equal share of the job's devices.
+
+  A job of P processes must give each the same number of devices: JAX's
+  multi-process utilities and Orbax's checkpoints reshape the devices to
+  [P, devices per process]. With a different count here, the total is not P
+  times this process's count. A no-op for one process.
+
+  Raises:
+    ValueError: naming this process's count, the job's total and what to change.
+  """
+  processes, mine, total = jax.process_count(), jax.local_device_count(), jax.device_count()
+  if processes > 1 and total != processes * mine:
+    raise ValueError(
+        f"process {jax.process_index()} has {mine} devices, but the job's {processes} processes"
+        f" have {total} in all: every process must have the same number of devices (JAX's"
+        " multi-process utilities and Orbax checkpoints assume it). Start every process with"
+        " the same device count, e.g. the same --xla_force_host_platform_device_count in"
+        " XLA_FLAGS (jax_num_cpu_devices) on CPU."
+    )
 
 
 def default_mesh(axis_name: str = DEFAULT_AXIS_NAME) -> Mesh:

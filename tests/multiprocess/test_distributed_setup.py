@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 
@@ -127,6 +128,25 @@ def test_a_failing_exit_of_one_process_ends_it_at_once_with_its_status():
       message.stderr), message.stderr
 
 
+_JOB_ON_A_TAKEN_PORT = """
+from pipelining import initialize_distributed
+initialize_distributed("localhost:{port}", num_processes=2, process_id=0, timeout_s=60)
+"""
+
+
+def test_a_coordinator_port_in_use_is_named_at_once():
+  """Process 0 on a port another program holds failed at once, with "could not join the job
+  within 120s: Failed to start RPC server": neither the port nor the real elapsed time."""
+  with socket.socket() as holder:
+    holder.bind(("localhost", 0))
+    holder.listen()
+    failed = _run_python(_JOB_ON_A_TAKEN_PORT.format(port=holder.getsockname()[1]))
+  assert failed.returncode == 1, failed.stderr
+  assert "process 0 of 2 could not start the job's coordinator service at localhost:" in (
+      failed.stderr), failed.stderr
+  assert "the port is in use" in failed.stderr and "the timeout is" not in failed.stderr
+
+
 def test_the_private_runtime_client_is_where_it_is_read(monkeypatch):
   """JAX has no public key-value store; `_client` reads its private one (only there).
 
@@ -159,7 +179,13 @@ def test_the_private_runtime_client_is_where_it_is_read(monkeypatch):
     ({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2", "JAX_COORDINATOR_ADDRESS": "h:1"},
      r"process_id must be an int in \[0, 2\), got 2"),
     ({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1", "JAX_COORDINATOR_ADDRESS": "host"},
-     r"coordinator_address must be host:port, got 'host'"),
+     r"coordinator_address must be host:port with a port in \[1, 65535\], got 'host'"),
+    ({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1", "JAX_COORDINATOR_ADDRESS": "host:x"},
+     r"with a port in \[1, 65535\], got 'host:x'"),
+    ({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1", "JAX_COORDINATOR_ADDRESS": ":123"},
+     r"with a port in \[1, 65535\], got ':123'"),
+    ({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1", "JAX_COORDINATOR_ADDRESS": "h:70000"},
+     r"with a port in \[1, 65535\], got 'h:70000'"),
     ({"JAX_COORDINATOR_ADDRESS": "localhost:1"}, r"no number of processes"),
 ])
 def test_incomplete_settings_name_what_is_missing(clean_env, env, match):
@@ -180,6 +206,24 @@ def test_default_mesh_is_process_major():
   plan = EmbeddingPlan.create(make_specs())
   assert list(plan.mesh.devices) == process_major_devices() == jax.devices()
   assert plan.local_devices() == range(8)
+
+
+def test_processes_with_other_device_counts_are_refused_by_count(monkeypatch, tmp_path):
+  """Processes started with other --cpu-devices (2 and 3) failed in Orbax's manager with
+  "cannot reshape array of size 5 into shape (2,2)"."""
+  from checkpoint import CheckpointManager
+  from sc_framework.primitives import check_devices_per_process
+  for name, value in (("process_count", 2), ("process_index", 1), ("local_device_count", 3),
+                      ("device_count", 5)):
+    monkeypatch.setattr(jax, name, lambda value=value: value)
+  message = "process 1 has 3 devices, but the job's 2 processes have 5 in all"
+  for refused in (check_devices_per_process, process_major_devices,
+                  lambda: CheckpointManager(tmp_path / "ckpt")):
+    with pytest.raises(ValueError, match=message):
+      refused()
+  assert not (tmp_path / "ckpt").exists()
+  monkeypatch.setattr(jax, "device_count", lambda: 6)
+  check_devices_per_process()  # an equal share: nothing to say
 
 
 def test_data_positions_follow_the_process_count():
