@@ -160,6 +160,7 @@ class CheckpointManager:
     _refuse_a_step_or_item(self._directory)
     if not read_only:
       check_can_save_under(self._directory)
+      _check_writable(self._directory)
     metric_fn = None
     if best_metric is not None:
       metric_fn = _nan_ranks_worst(
@@ -776,6 +777,29 @@ def check_can_save_under(directory: epath.PathLike, item_names=()) -> None:
         " restore) or take another directory's. Rename them without these characters (e.g."
         " 'exp-1' for 'exp[1]'). Steps saved elsewhere and copied there can be read by a"
         " CheckpointManager with read_only=True."
+    )
+
+
+def _check_writable(directory: epath.Path) -> None:
+  """Raises PermissionError for a local directory this process cannot write in.
+
+  Checks the directory, or the nearest folder above it that exists (where it
+  would be made), so that a read-only file system or missing permission is
+  named when the manager opens, not as a raw OSError from inside the first
+  save. Cloud paths are left to their first write.
+  """
+  text = os.fspath(directory)
+  if "://" in text:
+    return
+  existing = os.path.abspath(text)
+  while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+    existing = os.path.dirname(existing)
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise PermissionError(
+        f"cannot save checkpoints under {text}: {existing} is not writable by this process"
+        " (a read-only file system, or no write permission). To restore its steps, open it"
+        " with CheckpointManager(..., read_only=True) (a Trainer's workdir must be writable);"
+        " to save, choose a writable directory."
     )
 
 

@@ -577,6 +577,31 @@ def test_a_home_relative_directory_is_expanded_not_made_here(tmp_path, monkeypat
 
 
 
+def test_a_directory_this_process_cannot_write_is_named_when_the_manager_opens(
+    tmp_path, monkeypatch):
+  """A writable manager of a read-only directory opened fine and failed at its first save
+  with a raw "OSError: [Errno 30] Read-only file system: '.../1.orbax-checkpoint-tmp'"."""
+  locked = tmp_path / "locked"
+  locked.mkdir()
+  if os.geteuid() != 0:  # root writes whatever the mode says; then os.access is replaced
+    locked.chmod(0o555)
+  else:
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: (
+        os.fspath(path) != os.fspath(locked) and real_access(path, mode, **kw)))
+  try:
+    for directory in (locked, locked / "run" / "checkpoints"):
+      with pytest.raises(PermissionError, match=re.escape(
+          f"cannot save checkpoints under {directory}: {locked} is not writable by this process")
+                         + r".*read_only=True"):
+        ck.CheckpointManager(directory)
+    with ck.CheckpointManager(locked, read_only=True) as mngr:  # restores stay possible
+      assert mngr.all_steps() == []
+    assert list(locked.iterdir()) == []
+  finally:
+    locked.chmod(0o755)
+
+
 def test_a_manager_of_a_file_or_a_missing_directory_says_so(tmp_path):
   """A read-only manager of a missing directory or a file listed no steps, then a restore
   said only that it held no complete checkpoint."""
