@@ -80,7 +80,8 @@ def roc_auc(labels: np.ndarray, scores: np.ndarray) -> float:
   sorted_scores = scores[order]
   ranks = np.empty(scores.size, np.float64)
   # Average ranks over runs of equal scores.
-  boundaries = np.flatnonzero(np.diff(sorted_scores)) + 1
+  # (A comparison, not np.diff: inf - inf is NaN, which would split a run of tied infinities.)
+  boundaries = np.flatnonzero(sorted_scores[1:] != sorted_scores[:-1]) + 1
   starts = np.concatenate([[0], boundaries])
   ends = np.concatenate([boundaries, [scores.size]])
   average = (starts + ends + 1) / 2.0  # 1-based average rank of each run

@@ -35,6 +35,37 @@ def _check_table_array(name: str, array: np.ndarray, rows: int, width: int) -> N
     )
 
 
+def _check_all_given(stack: StackLayout, arrays: Mapping[str, np.ndarray]) -> None:
+  missing = [t.name for t in stack.tables if t.name not in arrays]
+  if missing:
+    raise KeyError(f"stack {stack.name!r}: no array given for tables {missing}.")
+
+
+def _stack_dtype(stack: StackLayout, arrays: Mapping[str, np.ndarray]):
+  """The one dtype of the stack's table arrays (they may be lazily loaded).
+
+  Raises:
+    KeyError: a table of the stack has no array.
+    ValueError: the tables' arrays have different dtypes: a stacked array has
+      one, and casting to any of them could change another table's values.
+  """
+  _check_all_given(stack, arrays)
+  dtypes = {t.name: np.asarray(arrays[t.name][:0]).dtype for t in stack.tables}
+  if len(set(dtypes.values())) > 1:
+    described = ", ".join(f"{name!r} {dtype}" for name, dtype in dtypes.items())
+    raise ValueError(
+        f"stack {stack.name!r}: its tables' arrays have different dtypes ({described}), but a"
+        " stacked array has one, and a cast could change values (float32 1e5 is inf in"
+        " float16). Give every table of the stack the same dtype (e.g. .astype(np.float32))."
+    )
+  return next(iter(dtypes.values()))
+
+
+def _check_fill(fill: float, dtype) -> None:
+  if np.issubdtype(dtype, np.integer) and not (np.isfinite(fill) and float(fill).is_integer()):
+    raise ValueError(f"fill={fill!r} is no value of the arrays' dtype {dtype}: pass an integer.")
+
+
 def stack_block(
     arrays: Mapping[str, np.ndarray],
     layout: EmbeddingLayout,
@@ -59,7 +90,8 @@ def stack_block(
     start, stop: the global row range.
     row_width: None for table-shaped arrays, w for [V, w] slots.
     fill: the value of padding rows and padding columns.
-    dtype: output dtype; default that of the first table's array.
+    dtype: output dtype; default the tables' arrays' dtype, which must then
+      be one for the whole stack.
 
   Returns:
     A [stop - start, D' or w] array.
@@ -69,11 +101,9 @@ def stack_block(
     raise ValueError(
         f"stack {stack_name!r}: row range [{start}, {stop}) is outside [0, {stack.vocabulary_size})."
     )
-  missing = [t.name for t in stack.tables if t.name not in arrays]
-  if missing:
-    raise KeyError(f"stack {stack_name!r}: no array given for tables {missing}.")
-  if dtype is None:
-    dtype = np.asarray(arrays[stack.tables[0].name][:0]).dtype
+  _check_all_given(stack, arrays)
+  dtype = _stack_dtype(stack, arrays) if dtype is None else np.dtype(dtype)
+  _check_fill(fill, dtype)
   out = np.full((stop - start, _stacked_width(stack, row_width)), fill, dtype=dtype)
   for index, table in enumerate(stack.tables):
     array = arrays[table.name]
@@ -92,17 +122,16 @@ def stack(
     row_width: int | None = None,
     fill: float = 0.0,
 ) -> dict[str, np.ndarray]:
-  """Per-table arrays -> one stacked array per stack (see `stack_block`)."""
+  """Per-table arrays -> one stacked array per stack (see `stack_block`); every
+  table of a stack must have the same dtype, the stacked array's."""
   out = {}
   for stack_layout in layout.stacks:
-    first = np.asarray(arrays[stack_layout.tables[0].name]) if stack_layout.tables[0].name in arrays else None
-    dtype = None if first is None else first.dtype
+    dtype = _stack_dtype(stack_layout, arrays)
+    _check_fill(fill, dtype)
     result = np.full(
         (stack_layout.vocabulary_size, _stacked_width(stack_layout, row_width)), fill, dtype=dtype
     )
     for table in stack_layout.tables:
-      if table.name not in arrays:
-        raise KeyError(f"stack {stack_layout.name!r}: no array given for table {table.name!r}.")
       array = np.asarray(arrays[table.name])
       width = _logical_width(table, row_width)
       _check_table_array(table.name, array, table.vocabulary_size, width)
@@ -130,6 +159,9 @@ def unstack(
   Returns:
     table name -> [V, D] or [V, w] array.
   """
+  if isinstance(tables, str):
+    raise TypeError(f"unstack: tables must be a list of table names, got the string {tables!r}"
+                    f" (for one table: tables=[{tables!r}]).")
   names = layout.table_names if tables is None else tuple(tables)
   out = {}
   for name in names:

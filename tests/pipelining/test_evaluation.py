@@ -106,6 +106,19 @@ def test_roc_auc_equals_the_pairwise_count(seed, shape):
   assert np.isnan(roc_auc(np.ones(shape), scores))
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tied_infinite_scores_count_half_as_other_ties(seed):
+  """Scores of overflowing logits: tied infinities took other ranks (inf - inf is NaN),
+  so roc_auc([1, 0], [inf, inf]) was 0.0 and depended on the samples' order."""
+  assert roc_auc([1, 0], [np.inf, np.inf]) == roc_auc([0, 1], [np.inf, np.inf]) == 0.5
+  assert roc_auc([1, 0, 1], [-np.inf, -np.inf, 0.0]) == 0.75
+  rng = np.random.default_rng(seed)
+  labels = rng.integers(0, 2, 60).astype(np.float32)
+  scores = np.array([-np.inf, -1.0, 0.0, 2.0, np.inf])[rng.integers(0, 5, 60)]
+  assert_close(roc_auc(labels, scores), pairwise_auc(labels.tolist(), scores.tolist()),
+               terms=labels.size)
+
+
 def test_roc_auc_of_a_nan_score_is_undefined():
   """A NaN score has no rank: the AUC is NaN, not that of the NaN ranked highest."""
   labels = np.array([0.0, 1.0, 0.0, 1.0])

@@ -782,6 +782,51 @@ def test_host_stacking_errors(example):
   assert stack_block(arrays, example, name, 10, 10).shape == (0, 16)
 
 
+def test_tables_of_other_dtypes_are_not_cast_into_one_stack(example):
+  """A float16 table first made the stack float16: table_b's 1e5 read back as inf."""
+  arrays = {"table_a": np.ones((64, 12), np.float16),
+            "table_b": np.full((120, 10), 1e5, np.float32)}
+  message = _match("stack 'table_a__table_b'", "'table_a' float16, 'table_b' float32")
+  with pytest.raises(ValueError, match=message):
+    stack(arrays, example)
+  with pytest.raises(ValueError, match=message):
+    stack_block(arrays, example, "table_a__table_b", 0, 10)
+  # An explicit dtype is the caller's choice.
+  block = stack_block(arrays, example, "table_a__table_b", 0, 192, dtype=np.float32)
+  assert block.dtype == np.float32 and block.max() == 1e5
+  with pytest.raises(ValueError, match=_match("fill=nan", "int32")):
+    stack({n: a.astype(np.int32) for n, a in arrays.items()}, example, fill=np.nan)
+
+
+def test_row_arithmetic_refuses_rows_outside_the_stack(example):
+  """Out-of-range rows and positions came back as other, existing rows: 200 rows of a
+  192-row stack, table -1 as the last table, global row 192 as table_a's row 0."""
+  stack_layout = example.stacks[0]
+  for table_index, start, stop, culprit in ((0, 0, 200, "row range [0, 200)"),
+                                            (-1, 0, 10, "table_index -1 is not in [0, 2)"),
+                                            (2, 0, 10, "table_index 2"),
+                                            (True, 0, 10, "table_index must be an int")):
+    with pytest.raises(ValueError, match=_match(culprit)):
+      table_rows_in_block(stack_layout, table_index, start, stop)
+  with pytest.raises(ValueError, match=_match("global rows must lie in [0, 192)", "got 192")):
+    global_to_logical_rows(stack_layout, [0, 192])
+  with pytest.raises(ValueError, match=_match("table 'table_b': logical rows", "[0, 128)",
+                                              "got -1")):
+    logical_to_global_rows(example, "table_b", np.array([3, -1]))
+  with pytest.raises(ValueError, match=_match("must be integers", "float64")):
+    logical_to_global_rows(example, "table_b", np.array([1.7]))
+  for bad in (1.5, True):
+    with pytest.raises(ValueError, match=_match("shard must be an int")):
+      shard_row_range(stack_layout, bad)
+    with pytest.raises(ValueError, match=_match("device must be an int")):
+      device_row_range(example, stack_layout, bad)
+  with pytest.raises(TypeError, match=_match("got the string 'table_a'", "tables=['table_a']")):
+    unstack({}, example, tables="table_a")
+  # Under jit the rows are traced values: computed, not inspected.
+  traced = jax.jit(lambda rows: logical_to_global_rows(example, "table_b", rows))
+  assert traced(jnp.array([0, 7, 119])).tolist() == [104, 80, 94]
+
+
 class _RecordingArray:
   """A lazily loaded array stand-in that records which rows are read."""
 
