@@ -164,12 +164,22 @@ class CheckpointReader:
     Args:
       table: the table.
       slot: None for the table itself, else a slot name.
-      rows: integer array of logical rows in [0, V), any order.
+      rows: integer array (1-D) of logical rows in [0, V), any order.
 
     Returns:
       [len(rows), D] (table, or slot of width None) or [len(rows), w].
+
+    Raises:
+      ValueError: rows that are not a 1-D integer array, or outside [0, V).
     """
-    rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+    given = np.asarray(rows)
+    if given.ndim > 1 or given.size and (
+        given.dtype == bool or not np.issubdtype(given.dtype, np.integer)):
+      raise ValueError(
+          f"table {table!r}: rows must be a 1-D array of integer logical rows, got"
+          f" {'dtype ' + str(given.dtype) if given.ndim <= 1 else f'shape {given.shape}'}"
+          " (a float row would be truncated to another row).")
+    rows = given.astype(np.int64).reshape(-1)
     out = _storage.host_buffer((rows.size, self.row_width(table, slot)), self.dtype(table, slot))
     self.fill_rows(out, [(table, slot, rows, np.arange(rows.size))])
     return out

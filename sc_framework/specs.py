@@ -190,16 +190,24 @@ class FeatureSpec:
     output_shape = self.output_shape
     if output_shape is None:
       output_shape = (input_shape[0], self.table.embedding_dim)
+    if isinstance(output_shape, (str, bytes)) or not (
+        isinstance(output_shape, Sequence) or hasattr(output_shape, "__array__")):
+      raise TypeError(
+          f"{owner}: output_shape must be a tuple such as (batch, dim) or (batch,"
+          f" sequence_length, dim), got {output_shape!r}."
+      )
     output_shape = tuple(python_scalar(size) for size in output_shape)
     object.__setattr__(self, "output_shape", output_shape)
     dim = self.table.embedding_dim
-    if len(output_shape) == 3:
-      self._check_sequence_shapes(owner)
-    elif len(output_shape) != 2:
+    if len(output_shape) not in (2, 3):
       raise ValueError(
           f"{owner}: output_shape must be (batch, dim) for a combined feature or (batch,"
           f" sequence_length, dim) for a sequence feature, got {output_shape}."
       )
+    for position, size in enumerate(output_shape):
+      _check_positive_int(owner, f"output_shape[{position}]", size)
+    if len(output_shape) == 3:
+      self._check_sequence_shapes(owner)
     if output_shape[-1] != dim:
       expected = output_shape[:-1] + (dim,)
       raise ValueError(

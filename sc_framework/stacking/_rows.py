@@ -45,7 +45,7 @@ def _checked_rows(rows, stop: int, what: str, bound: str) -> np.ndarray:
     ValueError: a row that is not an integer or lies outside [0, stop), naming it.
   """
   array = np.asarray(rows)
-  if array.dtype == bool or not np.issubdtype(array.dtype, np.integer):
+  if array.size and (array.dtype == bool or not np.issubdtype(array.dtype, np.integer)):
     raise ValueError(f"{what} must be integers, got dtype {array.dtype}.")
   array = array.astype(np.int64, copy=False)
   if array.size:

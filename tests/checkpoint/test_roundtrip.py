@@ -120,7 +120,13 @@ def test_unstacked_restore_of_a_subset_and_a_row_range(tmp_path):
   assert set(only_rows.tables) == {"a"}
   assert_same_bits(only_rows.tables["a"], model.logical["a"][63:64])
   empty = reader.read_rows("a", None, np.zeros((0,), np.int64))
-  assert empty.shape == (0, 12)
+  assert empty.shape == (0, 12) and reader.read_rows("a", None, []).shape == (0, 12)
+  # Rows 1.7 and True read row 1, and a [2, 2] array was flattened.
+  for rows, culprit in ((np.array([1.7]), "dtype float64"), ([True], "dtype bool"),
+                        (np.ones((2, 2), np.int64), r"shape \(2, 2\)")):
+    with pytest.raises(ValueError, match=rf"table 'a': rows must be a 1-D array of integer"
+                                         rf" logical rows, got {culprit}"):
+      reader.read_rows("a", None, rows)
 
 
 def test_row_range_reads_only_the_chunks_that_hold_it(tmp_path):

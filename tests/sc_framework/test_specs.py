@@ -241,6 +241,20 @@ def test_feature_output_shape_rank(output_shape):
     FeatureSpec("item_id", _table(embedding_dim=12), (32, 4), output_shape=output_shape)
 
 
+@pytest.mark.parametrize("output_shape, error, culprit", [
+    ((32.0, 12.0), ValueError, "output_shape[0] must be a positive int, got 32.0"),
+    ((32, 12.5), ValueError, "output_shape[1] must be a positive int, got 12.5"),
+    ((32, True), ValueError, "output_shape[1] must be a positive int, got True"),
+    ((-32, 12), ValueError, "output_shape[0] must be a positive int, got -32"),
+    ("84", TypeError, "output_shape must be a tuple such as (batch, dim)"),
+])
+def test_feature_output_shape_sizes_are_positive_ints(output_shape, error, culprit):
+  """(8.0, 4.0) was taken and failed at the first lookup inside jax's reshape; "84" got the
+  hint output_shape=('8', 4)."""
+  with pytest.raises(error, match=_match("feature 'item_id'", culprit)):
+    FeatureSpec("item_id", _table(embedding_dim=12), (32, 4), output_shape=output_shape)
+
+
 @pytest.mark.parametrize(
     "input_shape, culprit",
     [
