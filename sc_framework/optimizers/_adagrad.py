@@ -60,7 +60,7 @@ class Adagrad(OptimizerSpec):
     _check_denominator("Adagrad", self.initial_accumulator, self.eps)
 
   def slots(self) -> tuple[SlotSpec, ...]:
-    return (SlotSpec("accumulator", None, self.initial_accumulator),)
+    return (SlotSpec("accumulator", None, self.initial_accumulator, minimum=0.0),)
 
   def update_rule(self, rows, grads, slots, step, row_dims):
     del row_dims
@@ -101,7 +101,7 @@ class RowWiseAdagrad(OptimizerSpec):
     _check_denominator("RowWiseAdagrad", self.initial_accumulator, self.eps)
 
   def slots(self) -> tuple[SlotSpec, ...]:
-    return (SlotSpec("accumulator", 1, self.initial_accumulator),)
+    return (SlotSpec("accumulator", 1, self.initial_accumulator, minimum=0.0),)
 
   def update_rule(self, rows, grads, slots, step, row_dims):
     lr = self.learning_rate_at(step)
@@ -160,7 +160,7 @@ class AdagradMomentum(OptimizerSpec):
 
   def slots(self) -> tuple[SlotSpec, ...]:
     return (
-        SlotSpec("accumulator", None, self.initial_accumulator),
+        SlotSpec("accumulator", None, self.initial_accumulator, minimum=0.0),
         SlotSpec("momentum", None, 0.0),
     )
 

@@ -89,7 +89,7 @@ class Adam(OptimizerSpec):
       raise TypeError(f"Adam: sum_inside_sqrt must be a bool, got {self.sum_inside_sqrt!r}.")
 
   def slots(self) -> tuple[SlotSpec, ...]:
-    return (SlotSpec("mu", None, 0.0), SlotSpec("nu", None, 0.0))
+    return (SlotSpec("mu", None, 0.0), SlotSpec("nu", None, 0.0, minimum=0.0))
 
   def update_rule(self, rows, grads, slots, step, row_dims):
     del row_dims
@@ -140,7 +140,7 @@ class LaProp(OptimizerSpec):
     _check_betas("LaProp", self.beta1, self.beta2, self.epsilon)
 
   def slots(self) -> tuple[SlotSpec, ...]:
-    return (SlotSpec("mu", None, 0.0), SlotSpec("nu", None, 0.0))
+    return (SlotSpec("mu", None, 0.0), SlotSpec("nu", None, 0.0, minimum=0.0))
 
   def update_rule(self, rows, grads, slots, step, row_dims):
     del row_dims

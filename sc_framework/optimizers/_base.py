@@ -51,11 +51,16 @@ class SlotSpec:
       means one per embedding column (the slot is shaped like the table,
       [V, D], padded to [V_s, D'] when stacked); an int w means [V, w].
     initial_value: the value every entry starts with.
+    minimum: the smallest value an entry may hold, or None: 0.0 for a sum of
+      squared gradients (an accumulator), whose negative values the update
+      would turn into NaN. `replace_tables` refuses a value below it. Not
+      part of the slot's identity (equality, checkpoints).
   """
 
   name: str
   width: int | None = None
   initial_value: float = 0.0
+  minimum: float | None = dataclasses.field(default=None, compare=False)
 
   def __post_init__(self):
     python_scalar_fields(self)

@@ -87,7 +87,7 @@ class FTRL(OptimizerSpec):
 
   def slots(self) -> tuple[SlotSpec, ...]:
     return (
-        SlotSpec("accumulator", None, self.initial_accumulator),
+        SlotSpec("accumulator", None, self.initial_accumulator, minimum=0.0),
         SlotSpec("linear", None, 0.0),
     )
 

@@ -179,7 +179,8 @@ def replace_tables(
           for index, table in replaced.items()
       }
       new_slots[stack.name][name] = _with_rows(
-          variables.slots[stack.name][name], stack, slot_arrays, spec.initial_value)
+          variables.slots[stack.name][name], stack, slot_arrays, spec.initial_value,
+          minimum=spec.minimum)
   return EmbeddingVariables(new_tables, new_slots)
 
 
@@ -187,12 +188,14 @@ def _slot_width(spec: SlotSpec, embedding_dim: int) -> int:
   return embedding_dim if spec.width is None else spec.width
 
 
-def _with_rows(array: jax.Array, stack, arrays: dict, fill: float | None) -> jax.Array:
+def _with_rows(array: jax.Array, stack, arrays: dict, fill: float | None, *,
+               minimum: float | None = None) -> jax.Array:
   """`array` (a sharded [V_s, W] stack array) with some tables' rows replaced.
 
   arrays: table index in the stack -> (host array [V, width] or None, width,
   what): None sets the table's rows to `fill`. Columns past `width` keep
-  their values (padding).
+  their values (padding). Every value must be finite and, with a `minimum`,
+  at least that.
   """
   arrays = {index: (_checked_values(values, (stack.tables[index].vocabulary_size, width), what),
                     width, what) for index, (values, width, what) in arrays.items()}
@@ -214,6 +217,13 @@ def _with_rows(array: jax.Array, stack, arrays: dict, fill: float | None) -> jax
         raise ValueError(
             f"replace_tables: {what}: row {int(logical_rows[position])} holds a value that is"
             f" not finite in {host.dtype}: {rows[position].tolist()[:8]}."
+        )
+      if minimum is not None and (cast < minimum).any():
+        position = int(np.flatnonzero((cast < minimum).any(axis=1))[0])
+        raise ValueError(
+            f"replace_tables: {what}: row {int(logical_rows[position])} holds a value below"
+            f" {minimum:g}, the least this slot holds (an accumulator of squared gradients),"
+            f" which the next update would turn into NaN: {rows[position].tolist()[:8]}."
         )
       host[global_rows - start, :width] = cast
     shards.append(jax.device_put(host, shard.device))

@@ -189,6 +189,18 @@ def test_bad_arguments_are_named():
   with pytest.raises(ValueError, match="slot 'accumulator' of table 'a': row 0 holds a value"):
     replace_tables(plan, variables, {"a": good["a"]},
                    slots={"a": {"accumulator": np.full((50, 1), 1e40)}})
+  # A negative accumulator was taken; the next update made its row NaN.
+  negative = np.full((50, 1), 0.5, np.float32)
+  negative[7] = -1.0
+  with pytest.raises(ValueError, match=r"slot 'accumulator' of table 'a': row 7 holds a value"
+                                       r" below 0, .* NaN: \[-1.0\]"):
+    replace_tables(plan, variables, {"a": good["a"]}, slots={"a": {"accumulator": negative}})
+  second_moment = np.abs(good["d"])
+  second_moment[169, 19] = -1e-3
+  with pytest.raises(ValueError, match="slot 'nu' of table 'd': row 169 holds a value below 0"):
+    replace_tables(plan, variables, {"d": good["d"]}, slots={"d": {"nu": second_moment}})
+  replace_tables(plan, variables, {"d": good["d"]},  # a first moment may be negative
+                 slots={"d": {"mu": -second_moment, "nu": np.zeros_like(second_moment)}})
   with pytest.raises(TypeError, match="tables must map table names to arrays, got list"):
     replace_tables(plan, variables, ["a"])
   with pytest.raises(TypeError, match=r"slots\['a'\] must map slot names to arrays, got ndarray"):
