@@ -82,6 +82,10 @@ def layout_for_tables(
     num_devices, shards_per_device: G and S.
     groups: stacking groups (default: every table alone).
   """
+  for name, shape in tables.items():
+    if isinstance(shape, (str, bytes)) or len(tuple(shape)) != 2:
+      raise ValueError(f"table {name!r}: expected its shape (vocabulary_size, embedding_dim),"
+                       f" got {shape!r}.")
   specs = {name: TableSpec(name, vocab, dim) for name, (vocab, dim) in tables.items()}
   features = [FeatureSpec(name, spec, (num_devices,)) for name, spec in specs.items()]
   if groups is None:

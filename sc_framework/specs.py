@@ -9,7 +9,7 @@ Specs are frozen, hashable dataclasses so they can be static under `jit`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Literal
 
 import jax
@@ -288,6 +288,9 @@ def validate_feature_specs(feature_specs: Sequence[FeatureSpec]) -> tuple[Featur
         f"feature_specs must be a flat sequence of FeatureSpecs, got {given}. Pass"
         " jax.tree.leaves(specs) for a nested structure (the Trainer takes one as it is), or"
         " [spec] for one feature.")
+  if isinstance(feature_specs, (str, bytes)) or not isinstance(feature_specs, Iterable):
+    raise TypeError(
+        f"feature_specs must be a sequence of FeatureSpecs, got {feature_specs!r}.")
   features = tuple(feature_specs)
   if not features:
     raise ValueError("feature_specs is empty: a model needs at least one FeatureSpec.")

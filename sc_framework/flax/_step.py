@@ -39,7 +39,8 @@ from sc_framework.primitives import (
     apply_embedding_gradients,
 )
 
-LOSS_CONVENTION = "a scalar loss, or a pair (loss, aux) with aux a dict of named values"
+LOSS_CONVENTION = ("a floating-point scalar loss, or a pair (loss, aux) with aux a dict of named"
+                   " values")
 
 
 def _describe(value: Any) -> str:
@@ -73,7 +74,12 @@ def loss_and_aux(output: Any, owner: str = "loss_fn") -> tuple[jax.Array, dict[s
 
 
 def _is_scalar(value: Any) -> bool:
-  return getattr(value, "shape", None) == () or isinstance(value, float)
+  """A real floating-point scalar: what a gradient can be taken of."""
+  if isinstance(value, float):
+    return True
+  dtype = getattr(value, "dtype", None)
+  return (getattr(value, "shape", None) == () and dtype is not None
+          and jnp.issubdtype(dtype, jnp.floating))
 
 
 def value_and_grads(

@@ -128,6 +128,8 @@ _REGISTRY: dict[str, EmbeddingBackend] = {"xla": XLA_BACKEND, "cpu": CPU_BACKEND
 
 def register_backend(backend: EmbeddingBackend) -> None:
   """Adds (or replaces) a backend under `backend.name`."""
+  if not isinstance(backend, EmbeddingBackend):
+    raise TypeError(f"register_backend takes an EmbeddingBackend, got {backend!r}.")
   if backend.name == "auto":
     raise ValueError("'auto' is reserved for automatic backend selection; choose another name.")
   _REGISTRY[backend.name] = backend

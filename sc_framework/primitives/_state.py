@@ -31,6 +31,8 @@ class EmbeddingVariables(NamedTuple):
 
 def table_seed(table_name: str) -> int:
   """A stable 31-bit integer for a table name (independent of the layout)."""
+  if not isinstance(table_name, str):
+    raise TypeError(f"table_seed takes a table name (a str), got {table_name!r}.")
   return zlib.crc32(table_name.encode("utf-8")) & 0x7FFFFFFF
 
 
@@ -173,6 +175,7 @@ def embedding_variable_shapes(plan: EmbeddingPlan, *, dtype=jnp.float32) -> Embe
   Returns:
     EmbeddingVariables of jax.ShapeDtypeStruct.
   """
+  dtype = _table_dtype(dtype)
   sharding = plan.row_sharding()
   tables, slots = {}, {}
   for stack in plan.layout.stacks:
@@ -208,6 +211,33 @@ def init_embedding_variables(
     MemoryError: on CPU devices, tables and slots larger than the host's
       memory, naming the largest stack (`_memory.check_fits_host_memory`).
   """
+  dtype = _table_dtype(dtype)
+  _check_key(key)
   if not isinstance(key, jax.core.Tracer):  # under eval_shape nothing is allocated
     check_fits_host_memory(plan, embedding_variable_shapes(plan, dtype=dtype))
-  return _create_jit(plan, key, jnp.dtype(dtype))
+  return _create_jit(plan, key, dtype)
+
+
+def _table_dtype(dtype) -> jnp.dtype:
+  """`dtype` as a floating-point dtype, else a TypeError naming it."""
+  try:
+    dtype = jnp.dtype(dtype)
+  except TypeError:
+    raise TypeError(f"dtype must be a floating-point dtype such as jnp.float32, got {dtype!r}."
+                    ) from None
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(
+        f"dtype must be floating point (float32, or bfloat16 tables), got {dtype.name}: integer"
+        " or boolean tables would have every activation and update truncated."
+    )
+  return dtype
+
+
+def _check_key(key) -> None:
+  """A PRNG key: a typed key array (jax.random.key) or a raw uint32 key (PRNGKey)."""
+  dtype = getattr(key, "dtype", None)
+  typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+  raw = dtype is not None and dtype == jnp.uint32 and getattr(key, "shape", None) == (2,)
+  if not (typed or raw or isinstance(key, jax.core.Tracer)):
+    raise TypeError(
+        f"key must be a PRNG key such as jax.random.key(0), got {key!r}.")

@@ -28,7 +28,9 @@ LAYOUT_FORMAT_VERSION = 1
 
 
 def round_up(value: int, multiple: int) -> int:
-  """The smallest multiple of `multiple` that is >= value."""
+  """The smallest multiple of `multiple` (a positive int) that is >= value."""
+  if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
+    raise ValueError(f"round_up: multiple must be a positive int, got {multiple!r}.")
   return -(-value // multiple) * multiple
 
 

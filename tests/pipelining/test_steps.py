@@ -164,9 +164,10 @@ def test_trainer_and_linen_train_step_agree(optimizer, devices):
     ("loss_fn", "error", "match"),
     [
         (lambda p, y: (mse(p, y), {"mae": 0.0}, 1), TypeError,
-         r"a tuple of 3 .*expected a scalar"),
+         r"a tuple of 3 .*expected a floating-point scalar"),
         (lambda p, y: (p - y) ** 2, TypeError,
-         r"loss_fn returned an array of shape \(8,\) float32; expected a scalar loss"),
+         r"loss_fn returned an array of shape \(8,\) float32; expected a floating-point"
+         r" scalar loss"),
         (lambda p, y: (mse(p, y), [mse(p, y)]), TypeError, r"\(loss, aux\) with aux a dict"),
         (lambda p, y: (mse(p, y), {"loss": mse(p, y)}), ValueError, r"'loss' entry in aux"),
         (lambda p, y: (mse(p, y), {"err": p - y}), ValueError,

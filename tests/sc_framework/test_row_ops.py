@@ -124,6 +124,8 @@ def test_available_backends_lists_only_what_can_run_here():
   assert "cpu" in registered_backends()
   absent = dataclasses.replace(XLA_BACKEND, name="absent", priority=9, installed=lambda: False)
   refusing = dataclasses.replace(XLA_BACKEND, name="tpu_only", supports=lambda plan: False)
+  with pytest.raises(TypeError, match="register_backend takes an EmbeddingBackend, got 'xla'"):
+    register_backend("xla")
   register_backend(absent)
   register_backend(refusing)
   try:

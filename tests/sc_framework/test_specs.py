@@ -300,6 +300,10 @@ def test_validate_feature_specs_rejects_empty():
 def test_validate_feature_specs_rejects_non_feature():
   with pytest.raises(TypeError, match=_match("FeatureSpec", "TableSpec")):
     validate_feature_specs([FeatureSpec("a", _table(), (4,)), _table()])
+  for nothing in (None, 3, "user_id"):  # "'NoneType' object is not iterable"
+    with pytest.raises(TypeError, match=_match("feature_specs must be a sequence of"
+                                               f" FeatureSpecs, got {nothing!r}")):
+      validate_feature_specs(nothing)
 
 
 def test_validate_feature_specs_rejects_duplicate_feature_names():

@@ -20,6 +20,7 @@ from sc_framework.preprocessing import preprocess
 from sc_framework.primitives import (
     EmbeddingPlan,
     embedding_lookup,
+    embedding_variable_shapes,
     init_embedding_variables,
     replace_tables,
     slot_values,
@@ -211,6 +212,24 @@ def test_bad_arguments_are_named():
     replace_tables(plan, variables, {"a": [[1.0] * 12] * 49 + [[1.0]]})
   with pytest.raises(TypeError, match="table 'a': expected a float or integer array, got bool"):
     replace_tables(plan, variables, {"a": good["a"] > 0})
+
+
+def test_variables_of_a_non_float_dtype_or_without_a_key_are_refused():
+  """dtype=jnp.int32 made all-zero tables and dtype=bool all-True ones, refused only at the
+  first update; an int key failed inside JAX ("invalid PRNG key data")."""
+  plan = _plan(1, 1)
+  for dtype in (jnp.int32, bool):
+    for make in (init_embedding_variables, embedding_variable_shapes):
+      args = (plan, jax.random.key(0)) if make is init_embedding_variables else (plan,)
+      with pytest.raises(TypeError, match="dtype must be floating point .* got (int32|bool)"):
+        make(*args, dtype=dtype)
+  with pytest.raises(TypeError, match=r"key must be a PRNG key such as jax.random.key\(0\), got 0"):
+    init_embedding_variables(plan, 0)
+  with pytest.raises(TypeError, match="table_seed takes a table name"):
+    table_seed(5)
+  raw = init_embedding_variables(plan, jax.random.PRNGKey(3))  # both kinds of key are taken
+  typed = init_embedding_variables(plan, jax.random.wrap_key_data(jax.random.PRNGKey(3)))
+  assert_same_bits(table_values(plan, raw)["a"], table_values(plan, typed)["a"])
 
 
 def test_a_trainer_starts_from_replaced_tables():

@@ -39,12 +39,18 @@ def test_loss_and_aux_splits_both_forms():
     [
         ((jnp.float32(1.0), {}, 3),
          r"my_loss returned a tuple of 3 \(an array of shape \(\) float32, dict, int\)"),
-        (jnp.ones(4), r"my_loss returned an array of shape \(4,\) float32; expected a scalar"),
+        (jnp.ones(4), r"my_loss returned an array of shape \(4,\) float32; expected a"
+                      r" floating-point scalar"),
         ((jnp.float32(1.0), [1]), r"a tuple of 2 \(an array of shape \(\) float32, list\)"),
         ((jnp.ones(4), {}), r"a tuple of 2 \(an array of shape \(4,\) float32, dict\)"),
-        ("loss", r"returned str; expected a scalar loss, or a pair \(loss, aux\)"),
+        ("loss", r"returned str; expected a floating-point scalar loss, or a pair \(loss, aux\)"),
+        # Taken, then JAX's gradient refused them ("grad requires real-valued outputs").
+        (jnp.array(3), r"returned an array of shape \(\) int32; expected a floating-point"),
+        (jnp.array(1 + 2j), r"returned an array of shape \(\) complex64; expected"),
+        ((jnp.array(True), {}), r"a tuple of 2 \(an array of shape \(\) bool, dict\)"),
     ],
-    ids=["three-tuple", "vector", "list-aux", "vector-loss-with-aux", "str"],
+    ids=["three-tuple", "vector", "list-aux", "vector-loss-with-aux", "str", "int", "complex",
+         "bool-with-aux"],
 )
 def test_loss_and_aux_names_what_was_returned(output, match):
   with pytest.raises(TypeError, match=match):
@@ -131,7 +137,7 @@ def test_steps_name_a_loss_outside_the_convention(api):
     step = make_nnx_train_step(lambda m, b, y: with_activations(m(b), y))
     batch = ref.preprocessed(raw, model.embed.plan.layout)
     run = lambda: step(model, optimizer, batch, labels)  # noqa: E731
-  with pytest.raises(TypeError, match=r"loss_fn returned .*; expected a scalar loss, or a pair"):
+  with pytest.raises(TypeError, match=r"loss_fn returned .*; expected a floating-point scalar loss,"):
     run()
 
 
