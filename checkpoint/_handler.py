@@ -210,6 +210,17 @@ class EmbeddingRestore(ocp.args.CheckpointArgs):
   dtype: Any = None
   optimizers: Mapping[str, OptimizerSpec] | None = None
 
+  def __post_init__(self):
+    for name, value, kind, described in (
+        ("layout", self.layout, EmbeddingLayout, "an EmbeddingLayout"),
+        ("mesh", self.mesh, Mesh, "a jax.sharding.Mesh"),
+        ("axis_name", self.axis_name, str, "a str")):
+      if not isinstance(value, kind):
+        raise TypeError(
+            f"EmbeddingRestore: {name} must be {described}, got {value!r}. Pass"
+            " EmbeddingRestore(layout, mesh, axis_name), e.g. (plan.layout, plan.mesh,"
+            " plan.axis_name).")
+
 
 @ocp.args.register_with_handler(EmbeddingCheckpointHandler, for_restore=True)
 @dataclasses.dataclass

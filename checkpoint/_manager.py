@@ -143,10 +143,10 @@ class CheckpointManager:
         or save_interval_steps < 1
     ):
       raise ValueError(f"save_interval_steps must be an int >= 1, got {save_interval_steps!r}.")
-    if embedding_item in _RESERVED:
-      raise ValueError(
-          f"embedding_item {embedding_item!r} is reserved by Orbax; pick another name."
-      )
+    _check_item_name(embedding_item, "embedding_item")
+    for name, flag in (("async_save", async_save), ("read_only", read_only)):
+      if not isinstance(flag, bool):
+        raise TypeError(f"{name} must be True or False, got {flag!r}.")
     stop_raw_byte_queries()  # Orbax's metrics query leaks on every save (_orbax_metrics)
     self._embedding_item = embedding_item
     self._directory = _storage.as_path(directory, "CheckpointManager directory")
@@ -159,7 +159,7 @@ class CheckpointManager:
           " (or will hold) the checkpoint steps.")
     _refuse_a_step_or_item(self._directory)
     if not read_only:
-      check_can_save_under(self._directory)
+      check_can_save_under(self._directory, [embedding_item])
       _check_writable(self._directory)
     metric_fn = None
     if best_metric is not None:
@@ -579,6 +579,10 @@ class CheckpointManager:
     return f" {step_dir} is not complete: {problem.rstrip('.')}."
 
   def _composite(self, embedding, items, kinds) -> ocp.args.Composite:
+    if items is not None and not isinstance(items, Mapping):
+      raise TypeError(
+          f"items must map item names to Orbax args (e.g. {{'params':"
+          f" ocp.args.StandardSave(params)}}), got {type(items).__name__}.")
     entries = dict(items or {})
     if embedding is not None:
       if not isinstance(embedding, kinds):
@@ -590,8 +594,7 @@ class CheckpointManager:
         raise ValueError(f"items also names the embedding item {self._embedding_item!r}.")
       entries[self._embedding_item] = embedding
     for name, value in entries.items():
-      if name in _RESERVED:
-        raise ValueError(f"item name {name!r} is reserved by Orbax; rename the item.")
+      _check_item_name(name, "item name")
       if not isinstance(value, ocp.args.CheckpointArgs):
         raise TypeError(
             f"item {name!r} must be Orbax args such as ocp.args.StandardSave(...), got"
@@ -777,6 +780,25 @@ def check_can_save_under(directory: epath.PathLike, item_names=()) -> None:
         " restore) or take another directory's. Rename them without these characters (e.g."
         " 'exp-1' for 'exp[1]'). Steps saved elsewhere and copied there can be read by a"
         " CheckpointManager with read_only=True."
+    )
+
+
+def _check_item_name(name: Any, what: str) -> None:
+  """An item is one directory inside each step: its name must be one plain path component.
+
+  Raises:
+    TypeError, ValueError: naming the value (a path such as '../x' would be
+      written outside the step, past its atomic commit).
+  """
+  if not isinstance(name, str):
+    raise TypeError(f"{what} must be a str, got {name!r}.")
+  if name in _RESERVED:
+    raise ValueError(f"{what} {name!r} is reserved by Orbax; pick another name.")
+  if (name in ("", ".", "..") or "/" in name or "\\" in name or name != name.strip()
+      or name.startswith(".") or not name.isprintable()):
+    raise ValueError(
+        f"{what} {name!r} is not a plain directory name: an item is one directory inside each"
+        " step. Use letters, digits, '_' and '-' (e.g. 'embedding', 'params')."
     )
 
 

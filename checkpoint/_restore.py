@@ -156,6 +156,8 @@ def read_tables(
   rows = dict(rows or {})
   if isinstance(tables, str):
     tables = [tables]
+  if tables is not None and not isinstance(tables, (Sequence, set, frozenset)):
+    raise TypeError(f"tables must be table names (a list, or one name), got {tables!r}.")
   names = list(tables) if tables is not None else (list(rows) if rows else list(reader.table_names))
   for name in names + list(rows):
     reader.table_shape(name)  # Raises MissingTableError naming the table.

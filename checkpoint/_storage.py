@@ -155,11 +155,17 @@ def as_path(value: epath.PathLike, what: str = "path") -> epath.Path:
   and a leading ~ the home directory (os.path.expanduser).
 
   Raises:
+    TypeError: a value that is no path (None, a number, bytes).
     ValueError: a URL of a scheme etils has no handler for (etils itself
       raises a bare KeyError of the scheme), or a file:// URL that names no
       absolute local path; the message names `what` and the value.
   """
-  text = os.fspath(value)
+  try:
+    text = os.fspath(value)
+  except TypeError:
+    raise TypeError(f"{what} must be a path (a str or os.PathLike), got {value!r}.") from None
+  if isinstance(text, bytes):
+    raise TypeError(f"{what} must be a path as a str, got bytes {text!r}.")
   if not text:
     raise ValueError(f"{what} is empty; give a path ('.' for the current directory).")
   if text.startswith("file://"):

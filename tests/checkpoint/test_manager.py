@@ -94,6 +94,48 @@ def test_one_manager_saves_and_restores_the_embedding_every_way_in_any_order(tmp
     assert mngr.all_steps() == [1, 2]
 
 
+@pytest.mark.parametrize("name, error, culprit", [
+    ("../escape", ValueError, "embedding_item '../escape' is not a plain directory name"),
+    ("a/b", ValueError, "embedding_item 'a/b' is not a plain directory name"),
+    ("", ValueError, "embedding_item '' is not a plain directory name"),
+    ("..", ValueError, "embedding_item '..' is not a plain directory name"),
+    (".tables", ValueError, "embedding_item '.tables' is not a plain directory name"),
+    ("metrics", ValueError, "embedding_item 'metrics' is reserved by Orbax"),
+    ("tables[1]", ValueError, "contain '\\*', '\\?' or '\\[...\\]'"),
+    (7, TypeError, "embedding_item must be a str, got 7"),
+])
+def test_an_item_name_that_is_no_directory_name_is_refused(tmp_path, name, error, culprit):
+  """embedding_item='../escape' wrote the tables beside the step, outside its atomic commit,
+  and a complete-looking step without them; '' failed inside Orbax's background save."""
+  with pytest.raises(error, match=culprit):
+    ck.CheckpointManager(tmp_path / "ckpt", embedding_item=name)
+  assert not (tmp_path / "ckpt").exists() and not (tmp_path / "escape").exists()
+  if isinstance(name, str) and name != "tables[1]":
+    with ck.CheckpointManager(tmp_path / "ckpt", async_save=False) as mngr:
+      with pytest.raises(error, match=culprit.replace("embedding_item", "item name")):
+        mngr.save(1, items={name: ocp.args.JsonSave({"a": 1})})
+      assert mngr.all_steps() == []
+
+
+def test_arguments_of_another_type_are_named(tmp_path):
+  """Each gave a bare Python error naming no argument ("expected str, bytes or os.PathLike
+  object, not NoneType"; "'int' object is not iterable"; "unsupported operand ... 'str'")."""
+  for directory in (None, 5, b"/tmp/x"):
+    with pytest.raises(TypeError, match="CheckpointManager directory must be a path"):
+      ck.CheckpointManager(directory)
+  with pytest.raises(TypeError, match="async_save must be True or False, got 'no'"):
+    ck.CheckpointManager(tmp_path, async_save="no")
+  with pytest.raises(TypeError, match="EmbeddingRestore: layout must be an EmbeddingLayout"):
+    ck.EmbeddingRestore("layout", make_mesh(1), AXIS)
+  _, _, embedding = _state()
+  with ck.CheckpointManager(tmp_path, async_save=False) as mngr:
+    with pytest.raises(TypeError, match="items must map item names to Orbax args"):
+      mngr.save(1, items=[1, 2])
+    mngr.save(1, embedding)
+    with pytest.raises(TypeError, match="tables must be table names .*, got 5"):
+      mngr.restore(1, ck.TableRestore(tables=5))
+
+
 def test_interval_on_demand_and_retention_keeps_the_newest(tmp_path):
   _, _, embedding = _state()
   meta = lambda step: {"data": ocp.args.JsonSave({"step": step})}  # noqa: E731
