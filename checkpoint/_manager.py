@@ -159,7 +159,8 @@ class CheckpointManager:
           " (or will hold) the checkpoint steps.")
     _refuse_a_step_or_item(self._directory)
     if not read_only:
-      check_can_save_under(self._directory, [embedding_item])
+      check_can_save_under(self._directory, [embedding_item] if _glob_misreads(embedding_item)
+                           else [])
       _check_writable(self._directory)
     metric_fn = None
     if best_metric is not None:

@@ -50,7 +50,9 @@ def verify(path: epath.PathLike) -> list[Problem]:
     CheckpointError: the path does not exist.
   """
   path = _storage.as_path(path, "verify path")
-  if _integrity.is_link(path):
+  if _integrity.is_link(path) and _is_step_or_item(path):
+    # A root may be reached through a link (a folder on another disk); the
+    # steps and items inside a checkpoint may not: restores refuse them.
     return [Problem("error", path, "is a symbolic link; nothing is read through one")]
   if not path.exists():
     raise CheckpointError(f"{path} does not exist.")
@@ -72,6 +74,15 @@ def verify(path: epath.PathLike) -> list[Problem]:
   if (path / _integrity.INTEGRITY_FILE).exists() or _STEP.match(path.name):
     return _integrity.check_step(path, depth="full") + step_chain_problems(path, "full")
   return verify_root(path)
+
+
+def _is_step_or_item(path: epath.Path) -> bool:
+  """Whether `path` (a link, perhaps dangling) leads to a step or an item, not a root."""
+  try:
+    return (_STEP.match(path.name) is not None or (path / MANIFEST_FILE).exists()
+            or (path / _integrity.INTEGRITY_FILE).exists())
+  except OSError:
+    return True
 
 
 def step_chain_problems(step_dir: epath.Path,

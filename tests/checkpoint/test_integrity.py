@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import errno
+import dataclasses
 import os
 import re
 import shutil
@@ -316,6 +317,21 @@ def test_a_step_named_through_a_link_to_it_is_verified_where_it_points(root, tmp
   fault_lib._flip(chunk)
   with pytest.raises(ck.CorruptCheckpointError, match="fails its CRC32C checksum"):
     handler.restore(latest / "embedding", ck.TableRestore())
+
+
+def test_a_root_reached_through_a_link_is_verified_where_it_points(root, tmp_path):
+  """A checkpoints root on another disk, linked: verify called it an error that inspect,
+  convert and restores accept; the links inside a checkpoint are still refused."""
+  linked = tmp_path / "linked"
+  os.symlink(root, linked)
+  assert _integrity.errors(ck.verify(linked)) == [] and ck.verify(linked) == [
+      dataclasses.replace(p, path=linked / p.path.relative_to(root)) for p in ck.verify(root)]
+  latest = tmp_path / "latest"
+  os.symlink(root / "2", latest)
+  assert [p.message for p in _integrity.errors(ck.verify(latest))] == [
+      "is a symbolic link; nothing is read through one"]
+  fault_lib._flip(fault_lib.TARGETS["table chunk"](root / "2"))
+  assert any("chunk checksum mismatch" in p.message for p in _integrity.errors(ck.verify(linked)))
 
 
 class _RefusedOpen:
