@@ -774,8 +774,12 @@ class Trainer:
     where the state left it after an interruption, or at 0. With "batch_in_flight": True
     where that state holds a batch whose update is still to run (pipelined)."""
     step = self._resume_step()
-    if step is not None:
-      meta = self._checkpoints.read_meta(step)
+    while step is not None:
+      try:  # A step found damaged here (renamed by hand, say) is marked and skipped.
+        meta = self._restore_marking_damage(step, lambda: self._checkpoints.read_meta(step))
+      except DamagedStep:
+        step = self._resume_step()  # The one before it; _start refuses when none restores.
+        continue
       return {**own_position(meta.get("data") or {}),
               "batch_in_flight": bool(meta.get("has_in_flight"))}
     if after_interruption and self._loop is not None:

@@ -53,6 +53,26 @@ def reference_run(batches, pipelining=False):
 
 
 @pytest.mark.parametrize("pipelining", [True, False])
+def test_a_newest_step_renamed_by_hand_falls_back_as_the_manager_does(tmp_path, pipelining):
+  """Step 5 renamed 7: the manager's restore skipped it, fit raised CorruptCheckpointError
+  (its data position was read outside the fall back)."""
+  batches = make_batches(8, seed=130 + pipelining)
+  make_trainer(tmp_path, pipelining).fit(batches, num_steps=5)
+  root = tmp_path / "checkpoints"
+  (root / "5").rename(root / "7")
+  resumed = make_trainer(tmp_path, pipelining)
+  with pytest.warns(RuntimeWarning, match=rf"(?s){root / '7'} is skipped: .*is the integrity"
+                                          " manifest of step 5, but its directory is step 7"):
+    history = resumed.fit(batches)
+  assert history.resumed_from == 4 and history.final_step == 8
+  assert_same_run(resumed, reference_run(batches, pipelining))
+  # The renamed step was kept aside, unchanged, when step 7 was saved again.
+  assert sorted(p.name for p in root.iterdir() if p.name.startswith("7")) == [
+      "7", "7.incomplete-0"]
+  assert not [p for p in ck.verify(root) if p.severity == "error"]
+
+
+@pytest.mark.parametrize("pipelining", [True, False])
 def test_a_newest_step_failing_its_checksum_falls_back_and_trains_on(tmp_path, pipelining):
   """fit raised CorruptCheckpointError on every start: the step's files listed sound."""
   batches = make_batches(8, seed=120 + pipelining)
