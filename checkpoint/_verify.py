@@ -72,8 +72,31 @@ def verify(path: epath.PathLike) -> list[Problem]:
     has_manifest = (path / _integrity.ITEM_INTEGRITY_FILE).exists()
     return own + verify_item(path, checked_by_manifest=has_manifest)
   if (path / _integrity.INTEGRITY_FILE).exists() or _STEP.match(path.name):
-    return _integrity.check_step(path, depth="full") + step_chain_problems(path, "full")
+    return (_integrity.check_step(path, depth="full") + _step_metadata_problems(path)
+            + step_chain_problems(path, "full"))
   return verify_root(path)
+
+
+def _step_metadata_problems(step_dir: epath.Path) -> list[Problem]:
+  """A warning for Orbax's step metadata (`_CHECKPOINT_METADATA`) that does not parse.
+
+  The integrity manifest leaves it out (Orbax's commit updates it after the
+  manifest is written), and no restore needs it: they read every item
+  without it, while Orbax logs "Failed to json parse" errors. So it is named
+  here, as a warning. (A step without a manifest has it checked as JSON
+  with its other files, as an error.)
+  """
+  path = step_dir / _integrity.ORBAX_STEP_METADATA
+  if not (step_dir / _integrity.INTEGRITY_FILE).exists() or not path.is_file():
+    return []
+  try:
+    json.loads(path.read_text())
+  except (OSError, ValueError) as error:
+    return [Problem("warning", path, f"Orbax's step metadata does not parse ({error}): no"
+                    " restore needs it (every item is verified without it), but Orbax logs"
+                    " errors for it on each restore. Copy the step again from its source to"
+                    " repair it.")]
+  return []
 
 
 def _is_step_or_item(path: epath.Path) -> bool:
@@ -137,6 +160,7 @@ def verify_root(root: epath.Path) -> list[Problem]:
         )
       else:
         problems.extend(_integrity.check_step(child, depth="full"))
+        problems.extend(_step_metadata_problems(child))
         problems.extend(step_chain_problems(child, None))
     elif is_unfinished_save(child):
       problems.append(Problem("foreign", child, "an unfinished save, never a step; a"

@@ -646,6 +646,18 @@ def test_verify_names_a_link_in_place_of_a_commit_file(root, tmp_path):
       (step / _integrity.ORBAX_STEP_METADATA, "is a symbolic link; nothing is read through one")]
 
 
+def test_verify_warns_of_orbax_step_metadata_that_does_not_parse(root):
+  """It is outside the manifest (Orbax's commit rewrites it): a flipped byte there went
+  unreported, while every restore logged Orbax's "Failed to json parse" errors."""
+  metadata = root / "2" / _integrity.ORBAX_STEP_METADATA
+  metadata.write_text(metadata.read_text()[:-3])
+  for path in (root, root / "2"):
+    problems = ck.verify(path)
+    assert _integrity.errors(problems) == []
+    assert [(p.severity, p.path) for p in problems if "step metadata" in p.message] == [
+        ("warning", metadata)]
+
+
 @pytest.mark.filterwarnings("ignore:checkpoint step .* is skipped:RuntimeWarning")
 @pytest.mark.parametrize("swapped", ["the step directories", "their integrity.json"])
 def test_steps_whose_directories_or_manifests_were_swapped_are_not_read_as_each_other(
