@@ -242,7 +242,12 @@ def walk_chain(item: epath.PathLike, *,
   while True:
     if not (current / MANIFEST_FILE).exists():
       if needed_by is None:
-        raise BrokenChainError(f"{current} holds no complete embedding item ({MANIFEST_FILE}).")
+        items = sorted(child.name for child in current.iterdir()
+                       if (child / MANIFEST_FILE).exists()) if current.is_dir() else []
+        hint = (f" It is a step: pass its embedding item, {current / items[0]}." if items
+                else "")
+        raise BrokenChainError(
+            f"{current} holds no complete embedding item ({MANIFEST_FILE}).{hint}")
       _raise_if_damaged(needed_by)
       raise BrokenChainError(
           f"step {current.parent.name} is missing or incomplete ({current} has no"

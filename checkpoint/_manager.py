@@ -125,6 +125,8 @@ class CheckpointManager:
       read_only: bool = False,
       incremental: IncrementalPolicy | None = None,
   ):
+    keep_latest, keep_best, save_interval_steps = (
+        python_scalar(value) for value in (keep_latest, keep_best, save_interval_steps))
     if isinstance(keep_latest, bool) or not isinstance(keep_latest, int) or keep_latest < 1:
       raise ValueError(
           "keep_latest must be an int >= 1 (the newest checkpoint is always kept), got"

@@ -135,7 +135,7 @@ class TrainerConfig:
     if self.save_every is not None and self.workdir is None:
       raise ValueError("TrainerConfig.save_every needs a workdir to save checkpoints in.")
     if self.incremental is not None and not isinstance(self.incremental, IncrementalPolicy):
-      raise ValueError(
+      raise TypeError(
           "TrainerConfig.incremental must be a checkpoint.IncrementalPolicy or None, got"
           f" {self.incremental!r}."
       )

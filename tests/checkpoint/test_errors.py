@@ -173,6 +173,9 @@ def test_directories_that_are_not_checkpoints(tmp_path, saved):
   os.rename(path, tmp_path / "step" / "embedding")
   with pytest.raises(ck.NotACheckpointError, match="Orbax step directory; its embedding item is"):
     ck.CheckpointReader(tmp_path / "step")
+  with pytest.raises(ck.BrokenChainError, match="It is a step: pass its embedding item,"
+                                             f" {tmp_path / 'step' / 'embedding'}"):
+    ck.stored_table_names(tmp_path / "step")
   with pytest.raises(ck.NotACheckpointError):
     ck.inspect(tmp_path / "empty")
 

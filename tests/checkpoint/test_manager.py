@@ -219,6 +219,10 @@ def test_invalid_manager_arguments(tmp_path):
       mngr.save(1, ck.TableRestore())
     with pytest.raises(TypeError, match="item 'params' must be Orbax args"):
       mngr.save(1, items={"params": {"w": np.zeros(3)}})
+  # Numpy integers are taken as the specs take them (they were refused).
+  with ck.CheckpointManager(tmp_path.parent / f"{tmp_path.name}-numpy", keep_latest=np.int64(2),
+                            save_interval_steps=np.int32(1)) as mngr:
+    assert mngr.directory.is_dir()
 
 
 def test_background_write_error_surfaces_on_wait(tmp_path, monkeypatch):

@@ -139,6 +139,8 @@ def test_evaluate_with_a_nan_dense_feature_reports_auc_as_undefined():
     (np.array([0.0, 1.0, 0.4]), np.zeros(3), "labels[2] of batch 0 is 0.4, not 0 or 1"),
     (np.array([0, 1, 3]), np.zeros((3, 4)),
      "the labels have shape (3,) and the predictions (3, 4) (per batch), not one score per label"),
+    # The imaginary part was dropped, with only numpy's ComplexWarning.
+    (np.array([0, 1]), np.array([1 + 1j, 2j]), "the predictions have dtype complex128"),
 ])
 def test_roc_auc_refuses_what_is_not_binary(labels, scores, message):
   with pytest.raises(ValueError, match=re.escape(
