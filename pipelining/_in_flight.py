@@ -131,16 +131,23 @@ def _places(flat: FlatIds, spec: FeatureSpec, batch_size: int):
   return entries, columns, max(1, int(lengths.max(initial=0)))
 
 
+def check_savable(features: Sequence[FeatureSpec]) -> None:
+  """Raises ValueError for a feature whose in-flight ids int32 cannot hold (the Trainer
+  checks it when built with pipelining and a workdir, before any step is trained)."""
+  for spec in features:
+    if spec.table.vocabulary_size - 1 > _INT32_MAX:
+      raise ValueError(
+          f"feature {spec.name!r}: table {spec.table.name!r} has vocabulary_size"
+          f" {spec.table.vocabulary_size}, more than int32 holds; an in-flight batch of it"
+          " cannot be checkpointed. Save in synchronous mode (pipelining=False)."
+      )
+
+
 def _rows(value: FeatureInput, spec: FeatureSpec, padding_id: PaddingId,
           batch_size: int) -> IdRows:
   flat = flatten_input(value, spec, padding_id=padding_id_of(padding_id, spec.name),
                        batch_size=batch_size)
-  if spec.table.vocabulary_size - 1 > _INT32_MAX:
-    raise ValueError(
-        f"feature {spec.name!r}: table {spec.table.name!r} has vocabulary_size"
-        f" {spec.table.vocabulary_size}, more than int32 holds; an in-flight batch of it"
-        " cannot be checkpointed. Save in synchronous mode (pipelining=False)."
-    )
+  check_savable([spec])
   samples, columns, width = _places(flat, spec, batch_size)
   ids = np.full((batch_size, width), -1, np.int32)
   ids[samples, columns] = flat.values

@@ -57,6 +57,7 @@ from pipelining._in_flight import (
     FeatureInFlight,
     SavedInFlight,
     Staged,
+    check_savable,
     id_rows,
     local_inputs,
     rows_tree,
@@ -207,6 +208,8 @@ class Trainer:
       from pipelining._checkpointing import TrainerCheckpoints
 
       check_shared_directory("workdir", self.config.workdir)
+      if self.config.pipelining:
+        check_savable(self.plan.feature_specs)  # not after save_every steps of training
       caveat = resume_caveat(mesh_platform(self.plan.mesh), os.environ.get("XLA_FLAGS", ""))
       if caveat is not None:
         warnings.warn(caveat, NondeterministicResumeWarning, stacklevel=2)

@@ -276,6 +276,16 @@ def _ragged_from_rows(rows, weights, *, owner: str) -> RaggedIds:
 _INT64_MIN, _INT64_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
 
 
+def _check_ids_kind(ids: Any, owner: str) -> None:
+  """Raises TypeError for ids that are no array or list of ids at all (None, text, a dict)."""
+  if ids is None or isinstance(ids, (str, bytes, Mapping)):
+    raise TypeError(
+        f"{owner}: got {type(ids).__name__} {_short(ids)} as its ids; pass an integer array"
+        " [B] or [B, L], a list of each sample's ids, or RaggedIds / RaggedRows / SparseIds /"
+        " DenseIds."
+    )
+
+
 def _to_csr(value: FeatureInput, owner: str, padding_id: int | None):
   """Any accepted form -> (values, row_splits, weights, whether padding was removed)."""
   if isinstance(value, SparseIds):
@@ -291,12 +301,7 @@ def _to_csr(value: FeatureInput, owner: str, padding_id: int | None):
   _unmasked(ids, owner, "ids")
   if isinstance(ids, (list, tuple)) or (isinstance(ids, np.ndarray) and ids.dtype == object):
     return _check_ragged(_ragged_from_rows(ids, weights, owner=owner), owner)
-  if ids is None or isinstance(ids, (str, bytes, Mapping)):
-    raise TypeError(
-        f"{owner}: got {type(ids).__name__} {_short(ids)} as its ids; pass an integer array"
-        " [B] or [B, L], a list of each sample's ids, or RaggedIds / RaggedRows / SparseIds /"
-        " DenseIds."
-    )
+  _check_ids_kind(ids, owner)
   ids = np.asarray(ids)
   if ids.ndim not in (1, 2):
     raise ValueError(f"{owner}: dense ids must have shape [B] or [B, L], got {ids.shape}.")
@@ -547,6 +552,7 @@ def _positions_of(value: FeatureInput, owner: str):
   ids = _unmasked(value.ids if isinstance(value, DenseIds) else value, owner, "ids")
   ragged = isinstance(value, (RaggedIds, RaggedRows)) or isinstance(ids, (list, tuple)) or (
       isinstance(ids, np.ndarray) and ids.dtype == object)
+  _check_ids_kind(ids, owner)
   if not ragged and np.ndim(ids) != 2:
     raise ValueError(
         f"{owner}: a sequence feature's dense ids must have shape [B, L], got"

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import numpy as np
+import optax
 import pytest
 
+from pipelining import Trainer
 from pipelining._in_flight import id_rows, local_inputs, rows_tree
 from sc_framework import FeatureSpec, TableSpec
 from sc_framework.optimizers import SGD
 from sc_framework.preprocessing import DenseIds, RaggedRows, SparseIds, flatten_input
+from test_trainer import LinearHead, mse
 
 BATCH = 8
 
@@ -76,3 +79,16 @@ def test_rows_are_as_wide_as_the_longest_sample():
     # Each row: the sample's ids in order, then -1 (no id).
     for row, (ids, _) in zip(r.ids, oracle[name]):
       np.testing.assert_array_equal(row, np.concatenate([ids, np.full(longest - len(ids), -1)]))
+
+
+def test_a_pipelined_trainer_with_a_workdir_refuses_ids_past_int32_when_built(tmp_path):
+  """The refusal came at the first pipelined save, after save_every steps of training."""
+  huge = TableSpec("huge", 2**31 + 8, 8, optimizer=SGD(0.1), max_ids_per_partition=64,
+                   max_unique_ids_per_partition=64)
+  specs = [FeatureSpec("ids", huge, (8, 2))]
+  with pytest.raises(ValueError, match=r"feature 'ids': table 'huge' has vocabulary_size"
+                                       r" 2147483656, more than int32 holds.*pipelining=False"):
+    Trainer(LinearHead(), specs, mse, optax.sgd(0.1), workdir=tmp_path, progress="off")
+  for pipelining, workdir in ((False, tmp_path), (True, None)):  # nothing in flight is saved
+    Trainer(LinearHead(), specs, mse, optax.sgd(0.1), workdir=workdir, progress="off",
+            pipelining=pipelining)

@@ -299,6 +299,10 @@ def test_bad_sequence_inputs_name_the_feature_and_position():
     flatten_input(bad, feature)
   with pytest.raises(ValueError, match=r"dense ids must have shape \[B, L\]"):
     flatten_input(np.zeros(BATCH, np.int64), feature)
+  for nothing in (None, "ids", {"tokens": 1}):  # as a combined feature's: not a shape ()
+    with pytest.raises(TypeError, match=r"feature 'tokens': got \w+ .* as its ids; pass an"
+                                        r" integer array"):
+      flatten_input(nothing, feature)
   # The COO form of the same [B] ids is refused alike (it put every id at position 0).
   with pytest.raises(ValueError, match=r"COO ids must have dense_shape \(B, L\) .* got"
                                        r" dense_shape \(16,\)"):
