@@ -46,7 +46,13 @@ from checkpoint._errors import (
     NotACheckpointError,
     SlotMismatchError,
 )
-from checkpoint._chain import BrokenChainError, ChainReader, open_reader, stored_table_names
+from checkpoint._chain import (
+    BrokenChainError,
+    ChainReader,
+    open_reader,
+    stored_table_names,
+    stored_table_shapes,
+)
 from checkpoint._convert import ConversionProgress, convert
 from checkpoint._delta import Delta
 from checkpoint._handler import (
@@ -101,5 +107,6 @@ __all__ = [
     "ChainReader",
     "open_reader",
     "stored_table_names",
+    "stored_table_shapes",
     "BrokenChainError",
 ]

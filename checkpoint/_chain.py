@@ -480,6 +480,13 @@ def stored_table_names(item: epath.PathLike) -> tuple[str, ...]:
   return CheckpointReader(walk_chain(item, check_ids=False)[0][0]).table_names
 
 
+def stored_table_shapes(item: epath.PathLike) -> dict[str, tuple[int, int]]:
+  """Table name -> (vocabulary_size, embedding_dim) of an embedding item, from manifests
+  only (a delta's are its chain's base's)."""
+  reader = CheckpointReader(walk_chain(item, check_ids=False)[0][0])
+  return {name: tuple(reader.table_shape(name)) for name in reader.table_names}
+
+
 def open_reader(item: epath.PathLike, *,
                 chunk_cache: ChunkCache | None = None) -> CheckpointReader:
   """A reader of any embedding item: `CheckpointReader` if full, `ChainReader` if a delta.

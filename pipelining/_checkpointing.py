@@ -49,6 +49,7 @@ from checkpoint import (
     UpdatedRows,
     batch_rows,
     stored_table_names,
+    stored_table_shapes,
 )
 from pipelining._in_flight import FeatureInFlight, SavedInFlight, rows_shapes
 from pipelining._steps import DeviceBatch, TrainState
@@ -315,6 +316,26 @@ class TrainerCheckpoints:
         self.track(in_flight.batch.sparse)
     return state, in_flight, meta.get("data") or {}
 
+  def _check_table_shapes(self, step: int) -> None:
+    """Refuses tables whose specs changed shape, naming them, before the dense items
+    restore: a changed embedding_dim would otherwise first show as a dense layer's
+    kernel of another shape."""
+    stored = stored_table_shapes(self.directory / str(step) / self._manager.embedding_item)
+    changed = {name: (stored[name], (table.vocabulary_size, table.embedding_dim))
+               for name, table in self._plan.tables().items()
+               if name in stored and stored[name] != (table.vocabulary_size,
+                                                     table.embedding_dim)}
+    if changed:
+      described = "; ".join(
+          f"table {name!r} is stored with vocabulary_size={old[0]}, embedding_dim={old[1]} but"
+          f" its TableSpec now has {new[0]}, {new[1]}" for name, (old, new) in changed.items())
+      raise IncompatibleCheckpointError(
+          f"checkpoint step {step} in {self.directory} does not fit the Trainer's feature specs:"
+          f" {described}. A table keeps its shape across resumes: restore the old shape, or"
+          " train in a new workdir started from this one's rows (Trainer.table_values and"
+          " replace_tables) migrated to the new shape."
+      )
+
   def _check_no_table_left_out(self, step: int) -> None:
     """Refuses to resume training without tables the checkpoint holds: the saves that
     follow would not keep them, and once the older steps are removed their trained rows
@@ -340,6 +361,7 @@ class TrainerCheckpoints:
   def _restore_items(self, step: int, state_template: TrainState,
                      in_flight_template: dict[str, Any] | None) -> tuple[TrainState, dict]:
     """The train state of `step` and the restored items (the in-flight one if templated)."""
+    self._check_table_shapes(step)
     items = {
         "dense": ocp.args.StandardRestore(_abstract({
             "params": state_template.params,

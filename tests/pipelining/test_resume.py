@@ -957,3 +957,21 @@ def test_a_metrics_file_the_storage_refuses_warns_once_and_training_and_checkpoi
   reference = make_trainer(None, True)
   reference.fit(batches)
   assert_same_run(trainer, reference)
+
+
+@pytest.mark.parametrize("pipelining", [True, False])
+def test_a_table_whose_spec_changed_shape_is_named_not_a_dense_kernel(tmp_path, pipelining):
+  """embedding_dim 4 -> 5 (the same padded width) was refused naming the dense layer's
+  kernel, params/Dense_0/kernel of another shape, not the table."""
+  import dataclasses
+  from checkpoint import IncompatibleCheckpointError
+  specs = make_specs(SGD(0.3))
+  batches = make_batches(4, seed=8)
+  make_trainer(tmp_path, pipelining, specs).fit(batches, num_steps=2)
+  wider = dataclasses.replace(specs[1].table, embedding_dim=5)
+  changed = [dataclasses.replace(f, table=wider, output_shape=None) if f.table.name == "b"
+             else f for f in specs]
+  with pytest.raises(IncompatibleCheckpointError,
+                     match=r"step 2 .* table 'b' is stored with vocabulary_size=24,"
+                           r" embedding_dim=4 but its TableSpec now has 24, 5\."):
+    make_trainer(tmp_path, pipelining, changed).fit(batches)
