@@ -21,16 +21,21 @@ import re
 import shutil
 import tempfile
 
-# Exactly 8 devices, whatever count a user's XLA_FLAGS already asks for (their other
-# flags are kept).
-_DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=\S*")
+# Exactly 8 devices, whatever count a user's XLA_FLAGS or JAX_NUM_CPU_DEVICES (which
+# wins over the flag) already asks for; and IEEE float semantics: XLA's fast-math
+# flags let the compiler assume no infinities or NaNs, which the overflow-safe row
+# clipping tests (and checks) rely on. The user's other flags are kept.
+_REPLACED_FLAGS = re.compile(
+    r"--xla_force_host_platform_device_count=\S*|--xla_cpu_enable_fast_math=\S*"
+    r"|--xla_cpu_fast_math_honor_\w+=\S*|--xla_cpu_enable_fast_min_max=\S*")
 os.environ["XLA_FLAGS"] = " ".join(
-    _DEVICE_COUNT.sub("", os.environ.get("XLA_FLAGS", "")).split()
+    _REPLACED_FLAGS.sub("", os.environ.get("XLA_FLAGS", "")).split()
     + ["--xla_force_host_platform_device_count=8"])
 # The suite checks the library as JAX runs by default: on the CPU, in float32, with
 # its usual promotion rules. A user's environment that changes them (JAX_ENABLE_X64=1
 # set for other work, JAX_PLATFORMS=cuda for a GPU job) would fail tests that are right.
-for _name in ("JAX_ENABLE_X64", "JAX_DEFAULT_MATMUL_PRECISION", "JAX_NUMPY_RANK_PROMOTION",
+for _name in ("JAX_NUM_CPU_DEVICES", "JAX_ENABLE_X64", "JAX_DEFAULT_MATMUL_PRECISION",
+              "JAX_NUMPY_RANK_PROMOTION",
               "JAX_NUMPY_DTYPE_PROMOTION", "JAX_DEBUG_NANS", "JAX_DEBUG_INFS", "JAX_DISABLE_JIT",
               "JAX_DEFAULT_PRNG_IMPL"):
   os.environ.pop(_name, None)

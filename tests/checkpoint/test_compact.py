@@ -190,10 +190,12 @@ def test_a_damaged_chunk_that_later_deltas_rewrote_is_refused_by_convert_and_com
   data[len(data) // 2] ^= 0x5A
   chunk.write_bytes(bytes(data))
   assert [p.path for p in ck.verify(root) if p.severity == "error"] == [chunk]
-  with pytest.raises(ck.CorruptCheckpointError, match=rf"{chunk}: chunk checksum mismatch"):
+  with pytest.raises(ck.CorruptCheckpointError, match=rf"{re.escape(str(chunk))}: chunk checksum"
+                                                      r" mismatch"):
     ck.convert(root / "2", tmp_path / "converted", ck.relayout(layout, num_devices=1))
   assert not (tmp_path / "converted").exists()
-  with pytest.raises(ck.CorruptCheckpointError, match=rf"{chunk}: chunk checksum mismatch"):
+  with pytest.raises(ck.CorruptCheckpointError, match=rf"{re.escape(str(chunk))}: chunk checksum"
+                                                      r" mismatch"):
     compact(root / "2")
   assert not _is_full(root / "2")
 
@@ -233,6 +235,7 @@ def test_an_interrupted_compaction_on_storage_that_refuses_renames_is_left_with_
 def test_a_missing_step_is_named_as_missing(tmp_path):
   """It was called 'not an Orbax step directory', as a root or an item is."""
   with pytest.raises(ck.NotACheckpointError,
-                     match=f"{tmp_path / 'ckpt' / '3'} does not exist; compact takes a step"):
+                     match=f"{re.escape(str(tmp_path / 'ckpt' / '3'))} does not exist; compact"
+                           " takes a step"):
     compact(tmp_path / "ckpt" / "3")
   assert not (tmp_path / "ckpt").exists()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -113,7 +114,7 @@ def test_corrupt_chunk_is_detected_by_its_checksum(tmp_path):
       match=r"stack .a__b. table array.*(Digest mismatch|CRC32C).*restore another step",
   ):
     _restore(path, layout)
-  with pytest.raises(ck.CorruptCheckpointError, match=f"{chunk}.*CRC32C"):
+  with pytest.raises(ck.CorruptCheckpointError, match=f"{re.escape(str(chunk))}.*CRC32C"):
     ck.EmbeddingCheckpointHandler().restore(path, ck.TableRestore(tables=["b"]))
   # TensorStore's own codec check, where the direct read does not apply (zstd).
   other = tmp_path / "zstd"
@@ -122,7 +123,7 @@ def test_corrupt_chunk_is_detected_by_its_checksum(tmp_path):
   data = bytearray(chunk.read_bytes())
   data[len(data) - 2] ^= 0x40
   chunk.write_bytes(bytes(data))
-  with pytest.raises(ck.CorruptCheckpointError, match=f"{chunk}.*Digest mismatch"):
+  with pytest.raises(ck.CorruptCheckpointError, match=f"{re.escape(str(chunk))}.*Digest mismatch"):
     ck.EmbeddingCheckpointHandler().restore(other, ck.TableRestore(tables=["b"]))
 
 
@@ -174,7 +175,7 @@ def test_directories_that_are_not_checkpoints(tmp_path, saved):
   with pytest.raises(ck.NotACheckpointError, match="Orbax step directory; its embedding item is"):
     ck.CheckpointReader(tmp_path / "step")
   with pytest.raises(ck.BrokenChainError, match="It is a step: pass its embedding item,"
-                                             f" {tmp_path / 'step' / 'embedding'}"):
+                                             f" {re.escape(str(tmp_path / 'step' / 'embedding'))}"):
     ck.stored_table_names(tmp_path / "step")
   with pytest.raises(ck.NotACheckpointError):
     ck.inspect(tmp_path / "empty")
