@@ -83,7 +83,7 @@ def layout_for_tables(
     groups: stacking groups (default: every table alone).
   """
   for name, shape in tables.items():
-    if isinstance(shape, (str, bytes)) or len(tuple(shape)) != 2:
+    if not isinstance(shape, (tuple, list)) or len(shape) != 2:
       raise ValueError(f"table {name!r}: expected its shape (vocabulary_size, embedding_dim),"
                        f" got {shape!r}.")
   specs = {name: TableSpec(name, vocab, dim) for name, (vocab, dim) in tables.items()}

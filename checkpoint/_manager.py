@@ -29,6 +29,7 @@ step is always kept (keep_latest >= 1).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fnmatch
 import json
 import logging
@@ -146,6 +147,7 @@ class CheckpointManager:
     ):
       raise ValueError(f"save_interval_steps must be an int >= 1, got {save_interval_steps!r}.")
     _check_item_name(embedding_item, "embedding_item")
+    async_save, read_only = python_scalar(async_save), python_scalar(read_only)
     for name, flag in (("async_save", async_save), ("read_only", read_only)):
       if not isinstance(flag, bool):
         raise TypeError(f"{name} must be True or False, got {flag!r}.")
@@ -161,9 +163,8 @@ class CheckpointManager:
           " (or will hold) the checkpoint steps.")
     _refuse_a_step_or_item(self._directory)
     if not read_only:
-      check_can_save_under(self._directory, [embedding_item] if _glob_misreads(embedding_item)
-                           else [])
-      _check_writable(self._directory)
+      glob_like_item = [embedding_item] if _glob_misreads(embedding_item) else []
+      check_can_save_under(self._directory, glob_like_item)
     metric_fn = None
     if best_metric is not None:
       metric_fn = _nan_ranks_worst(
@@ -218,9 +219,14 @@ class CheckpointManager:
         step_name_format=_steps.CompleteSteps(ocp.step.standard_name_format(), self._warn_skipped),
         temporary_path_class=_steps.committing_manifest(self._directory),
     )
-    self._manager = ocp.CheckpointManager(
-        self._directory, options=options, handler_registry=_embedding_registry(embedding_item)
-    )
+    try:
+      self._manager = ocp.CheckpointManager(
+          self._directory, options=options, handler_registry=_embedding_registry(embedding_item)
+      )
+    except OSError as error:  # making the directory
+      if error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        raise PermissionError(_not_writable(self._directory, error)) from error
+      raise
     if async_save and not read_only:
       _exit.finish_at_exit(self)  # A save still running at exit is finished (_exit).
 
@@ -304,6 +310,11 @@ class CheckpointManager:
         started = self._manager.save(
             step, args=args, metrics=dict(metrics) if metrics else None, force=force
         )
+      except OSError as error:
+        self._incremental.failed(step)
+        if error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+          raise PermissionError(_not_writable(self._directory, error)) from error
+        raise
       except BaseException:
         self._incremental.failed(step)
         raise
@@ -805,27 +816,18 @@ def _check_item_name(name: Any, what: str) -> None:
     )
 
 
-def _check_writable(directory: epath.Path) -> None:
-  """Raises PermissionError for a local directory this process cannot write in.
+def _not_writable(directory: epath.Path, error: OSError) -> str:
+  """The message of a save the storage refused to write (read-only, no permission).
 
-  Checks the directory, or the nearest folder above it that exists (where it
-  would be made), so that a read-only file system or missing permission is
-  named when the manager opens, not as a raw OSError from inside the first
-  save. Cloud paths are left to their first write.
+  A writable manager opens without writing (a Trainer that only evaluates a
+  read-only workdir never saves); its first save then names the problem.
   """
-  text = os.fspath(directory)
-  if "://" in text:
-    return
-  existing = os.path.abspath(text)
-  while not os.path.exists(existing) and os.path.dirname(existing) != existing:
-    existing = os.path.dirname(existing)
-  if not os.access(existing, os.W_OK | os.X_OK):
-    raise PermissionError(
-        f"cannot save checkpoints under {text}: {existing} is not writable by this process"
-        " (a read-only file system, or no write permission). To restore its steps, open it"
-        " with CheckpointManager(..., read_only=True) (a Trainer's workdir must be writable);"
-        " to save, choose a writable directory."
-    )
+  return (
+      f"cannot save checkpoints under {directory}: the storage refused to write there"
+      f" ({error.strerror or error}: {error.filename or directory}; a read-only file system,"
+      " or no write permission). To restore its steps, a CheckpointManager(...,"
+      " read_only=True) is enough; to save, choose a writable directory."
+  )
 
 
 def _embedding_registry(embedding_item: str) -> ocp.handlers.DefaultCheckpointHandlerRegistry:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 import jax
@@ -156,7 +156,8 @@ def read_tables(
   rows = dict(rows or {})
   if isinstance(tables, str):
     tables = [tables]
-  if tables is not None and not isinstance(tables, (Sequence, set, frozenset)):
+  if tables is not None and (isinstance(tables, (bytes, Mapping))
+                             or not isinstance(tables, Iterable)):
     raise TypeError(f"tables must be table names (a list, or one name), got {tables!r}.")
   names = list(tables) if tables is not None else (list(rows) if rows else list(reader.table_names))
   for name in names + list(rows):

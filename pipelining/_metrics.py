@@ -38,8 +38,7 @@ def auc_problem(labels: Sequence[Any], scores: Sequence[Any]) -> str | None:
     if label.shape != score.shape:
       return (f"the labels have shape {label.shape} and the predictions {score.shape} (per"
               " batch), not one score per label")
-    if not (score.dtype == bool or np.issubdtype(score.dtype, np.integer)
-            or np.issubdtype(score.dtype, np.floating)):
+    if score.dtype.kind in "cOSUMm":  # bfloat16 and other ml_dtypes floats rank as floats
       return f"the predictions have dtype {score.dtype}, not real numbers to rank"
     binary = (label == 0) | (label == 1)
     if not binary.all():

@@ -43,6 +43,13 @@ def _check_positive_int(owner: str, name: str, value) -> None:
     raise ValueError(f"{owner}: {name} must be a positive int, got {value!r}.")
 
 
+def _check_shape_tuple(owner: str, name: str, value, examples: str) -> None:
+  """Raises TypeError for a shape that is no sequence of sizes (a string, a number)."""
+  if isinstance(value, (str, bytes)) or not (
+      isinstance(value, Sequence) or hasattr(value, "__array__")):
+    raise TypeError(f"{owner}: {name} must be a tuple such as {examples}, got {value!r}.")
+
+
 def check_partition_limit(owner: str, name: str, value) -> None:
   """A positive int of at most MAX_PARTITION_CAPACITY (the buffers' int32 indices)."""
   _check_positive_int(owner, name, value)
@@ -172,12 +179,8 @@ class FeatureSpec:
     owner = f"feature {self.name!r}"
     if not isinstance(self.table, TableSpec):
       raise TypeError(f"{owner}: table must be a TableSpec, got {type(self.table).__name__}.")
-    if isinstance(self.input_shape, (str, bytes)) or not (
-        isinstance(self.input_shape, Sequence) or hasattr(self.input_shape, "__array__")):
-      raise TypeError(
-          f"{owner}: input_shape must be a tuple such as (batch, max ids per sample) or"
-          f" (batch, None), got {self.input_shape!r}."
-      )
+    _check_shape_tuple(owner, "input_shape", self.input_shape,
+                       "(batch, max ids per sample) or (batch, None)")
     input_shape = tuple(python_scalar(size) for size in self.input_shape)
     if len(input_shape) not in (1, 2):
       raise ValueError(
@@ -190,12 +193,8 @@ class FeatureSpec:
     output_shape = self.output_shape
     if output_shape is None:
       output_shape = (input_shape[0], self.table.embedding_dim)
-    if isinstance(output_shape, (str, bytes)) or not (
-        isinstance(output_shape, Sequence) or hasattr(output_shape, "__array__")):
-      raise TypeError(
-          f"{owner}: output_shape must be a tuple such as (batch, dim) or (batch,"
-          f" sequence_length, dim), got {output_shape!r}."
-      )
+    _check_shape_tuple(owner, "output_shape", output_shape,
+                       "(batch, dim) or (batch, sequence_length, dim)")
     output_shape = tuple(python_scalar(size) for size in output_shape)
     object.__setattr__(self, "output_shape", output_shape)
     dim = self.table.embedding_dim

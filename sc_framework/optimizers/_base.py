@@ -81,6 +81,13 @@ class SlotSpec:
       raise ValueError(
           f"slot {self.name!r}: initial_value must be finite, got {self.initial_value!r}."
       )
+    if self.minimum is not None and not (
+        isinstance(self.minimum, (int, float)) and not isinstance(self.minimum, bool)
+        and math.isfinite(self.minimum) and self.minimum <= self.initial_value):
+      raise ValueError(
+          f"slot {self.name!r}: minimum must be None or a finite number no greater than"
+          f" initial_value {self.initial_value!r}, got {self.minimum!r}."
+      )
 
   def stacked_width(self, padded_embedding_dim: int) -> int:
     """Columns of this slot in a stack whose padded dimension is D'."""

@@ -234,10 +234,11 @@ def _table_dtype(dtype) -> jnp.dtype:
 
 
 def _check_key(key) -> None:
-  """A PRNG key: a typed key array (jax.random.key) or a raw uint32 key (PRNGKey)."""
+  """A PRNG key: a typed key array (jax.random.key) or a raw uint32 key (PRNGKey), whose
+  shape JAX checks against its PRNG implementation (2 words for threefry, 4 for rbg)."""
   dtype = getattr(key, "dtype", None)
   typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
-  raw = dtype is not None and dtype == jnp.uint32 and getattr(key, "shape", None) == (2,)
+  raw = dtype is not None and dtype == jnp.uint32  # its shape is the PRNG implementation's
   if not (typed or raw or isinstance(key, jax.core.Tracer)):
     raise TypeError(
         f"key must be a PRNG key such as jax.random.key(0), got {key!r}.")

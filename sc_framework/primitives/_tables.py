@@ -222,8 +222,8 @@ def _with_rows(array: jax.Array, stack, arrays: dict, fill: float | None, *,
         position = int(np.flatnonzero((cast < minimum).any(axis=1))[0])
         raise ValueError(
             f"replace_tables: {what}: row {int(logical_rows[position])} holds a value below"
-            f" {minimum:g}, the least this slot holds (an accumulator of squared gradients),"
-            f" which the next update would turn into NaN: {rows[position].tolist()[:8]}."
+            f" {minimum:g}, the least this slot holds (its optimizer keeps sums of squares"
+            f" there; the next update would make the row NaN): {rows[position].tolist()[:8]}."
         )
       host[global_rows - start, :width] = cast
     shards.append(jax.device_put(host, shard.device))

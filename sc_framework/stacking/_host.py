@@ -35,30 +35,37 @@ def _check_table_array(name: str, array: np.ndarray, rows: int, width: int) -> N
     )
 
 
-def _check_all_given(stack: StackLayout, arrays: Mapping[str, np.ndarray]) -> None:
-  missing = [t.name for t in stack.tables if t.name not in arrays]
-  if missing:
-    raise KeyError(f"stack {stack.name!r}: no array given for tables {missing}.")
-
-
-def _stack_dtype(stack: StackLayout, arrays: Mapping[str, np.ndarray]):
-  """The one dtype of the stack's table arrays (they may be lazily loaded).
+def _stack_dtype(stack: StackLayout, arrays: Mapping[str, np.ndarray], dtype):
+  """The stacked array's dtype: `dtype`, or by default the first table's array's.
 
   Raises:
     KeyError: a table of the stack has no array.
-    ValueError: the tables' arrays have different dtypes: a stacked array has
-      one, and casting to any of them could change another table's values.
   """
-  _check_all_given(stack, arrays)
-  dtypes = {t.name: np.asarray(arrays[t.name][:0]).dtype for t in stack.tables}
-  if len(set(dtypes.values())) > 1:
-    described = ", ".join(f"{name!r} {dtype}" for name, dtype in dtypes.items())
-    raise ValueError(
-        f"stack {stack.name!r}: its tables' arrays have different dtypes ({described}), but a"
-        " stacked array has one, and a cast could change values (float32 1e5 is inf in"
-        " float16). Give every table of the stack the same dtype (e.g. .astype(np.float32))."
-    )
-  return next(iter(dtypes.values()))
+  missing = [t.name for t in stack.tables if t.name not in arrays]
+  if missing:
+    raise KeyError(f"stack {stack.name!r}: no array given for tables {missing}.")
+  if dtype is not None:
+    return np.dtype(dtype)
+  return np.asarray(arrays[stack.tables[0].name][:0]).dtype  # they may be lazily loaded
+
+
+def _cast(values: np.ndarray, dtype, table_name: str, stack: StackLayout) -> np.ndarray:
+  """`values` in `dtype`; a finite value the cast makes infinite (1e5 in float16) is refused.
+
+  Raises:
+    ValueError: naming the table, the value and the dtype.
+  """
+  with np.errstate(over="ignore", invalid="ignore"):
+    cast = values.astype(dtype, copy=False)
+  if np.issubdtype(values.dtype, np.floating) or values.dtype.kind == "V":  # ml_dtypes floats
+    lost = np.isfinite(values.astype(np.float64)) & ~np.isfinite(cast.astype(np.float64))
+    if lost.any():
+      value = values[np.unravel_index(int(np.flatnonzero(lost)[0]), values.shape)]
+      raise ValueError(
+          f"stack {stack.name!r}: table {table_name!r} holds {value!r}, which is not finite in"
+          f" the stacked array's dtype {np.dtype(dtype).name} (the first table's, by default)."
+          " Pass dtype= the dtype that holds every table (e.g. np.float32).")
+  return cast
 
 
 def _check_fill(fill: float, dtype) -> None:
@@ -90,8 +97,8 @@ def stack_block(
     start, stop: the global row range.
     row_width: None for table-shaped arrays, w for [V, w] slots.
     fill: the value of padding rows and padding columns.
-    dtype: output dtype; default the tables' arrays' dtype, which must then
-      be one for the whole stack.
+    dtype: output dtype; default that of the first table's array. A value
+      the cast makes infinite (float32 1e5 in float16) is an error.
 
   Returns:
     A [stop - start, D' or w] array.
@@ -101,8 +108,7 @@ def stack_block(
     raise ValueError(
         f"stack {stack_name!r}: row range [{start}, {stop}) is outside [0, {stack.vocabulary_size})."
     )
-  _check_all_given(stack, arrays)
-  dtype = _stack_dtype(stack, arrays) if dtype is None else np.dtype(dtype)
+  dtype = _stack_dtype(stack, arrays, dtype)
   _check_fill(fill, dtype)
   out = np.full((stop - start, _stacked_width(stack, row_width)), fill, dtype=dtype)
   for index, table in enumerate(stack.tables):
@@ -111,7 +117,8 @@ def stack_block(
     _check_table_array(table.name, array, table.vocabulary_size, width)
     global_rows, logical_rows = table_rows_in_block(stack, index, start, stop)
     if global_rows.size:
-      out[global_rows - start, :width] = np.asarray(array[logical_rows])
+      out[global_rows - start, :width] = _cast(np.asarray(array[logical_rows]), dtype,
+                                               table.name, stack)
   return out
 
 
@@ -121,24 +128,13 @@ def stack(
     *,
     row_width: int | None = None,
     fill: float = 0.0,
+    dtype=None,
 ) -> dict[str, np.ndarray]:
-  """Per-table arrays -> one stacked array per stack (see `stack_block`); every
-  table of a stack must have the same dtype, the stacked array's."""
-  out = {}
-  for stack_layout in layout.stacks:
-    dtype = _stack_dtype(stack_layout, arrays)
-    _check_fill(fill, dtype)
-    result = np.full(
-        (stack_layout.vocabulary_size, _stacked_width(stack_layout, row_width)), fill, dtype=dtype
-    )
-    for table in stack_layout.tables:
-      array = np.asarray(arrays[table.name])
-      width = _logical_width(table, row_width)
-      _check_table_array(table.name, array, table.vocabulary_size, width)
-      rows = logical_to_global_rows(layout, table.name, np.arange(table.vocabulary_size))
-      result[rows, :width] = array
-    out[stack_layout.name] = result
-  return out
+  """Per-table arrays -> one stacked array per stack (`stack_block` of all its rows)."""
+  return {stack_layout.name: stack_block(arrays, layout, stack_layout.name, 0,
+                                         stack_layout.vocabulary_size, row_width=row_width,
+                                         fill=fill, dtype=dtype)
+          for stack_layout in layout.stacks}
 
 
 def unstack(
@@ -187,7 +183,9 @@ def device_block(
     *,
     row_width: int | None = None,
     fill: float = 0.0,
+    dtype=None,
 ) -> np.ndarray:
-  """The [S * R, D' or w] block of a stacked array held by one device."""
+  """The [S * R, D' or w] block of a stacked array held by one device (see `stack_block`)."""
   start, stop = device_row_range(layout, layout.stack(stack_name), device)
-  return stack_block(arrays, layout, stack_name, start, stop, row_width=row_width, fill=fill)
+  return stack_block(arrays, layout, stack_name, start, stop, row_width=row_width, fill=fill,
+                     dtype=dtype)

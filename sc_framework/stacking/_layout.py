@@ -24,11 +24,14 @@ import dataclasses
 import json
 from typing import Any
 
+from sc_framework._scalars import python_scalar
+
 LAYOUT_FORMAT_VERSION = 1
 
 
 def round_up(value: int, multiple: int) -> int:
   """The smallest multiple of `multiple` (a positive int) that is >= value."""
+  multiple = python_scalar(multiple)
   if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
     raise ValueError(f"round_up: multiple must be a positive int, got {multiple!r}.")
   return -(-value // multiple) * multiple

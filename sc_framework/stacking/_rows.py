@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from sc_framework._scalars import python_scalar
 from sc_framework.stacking._layout import EmbeddingLayout, StackLayout
 
 
@@ -31,28 +32,31 @@ def logical_to_global_rows(layout: EmbeddingLayout, table_name: str, rows):
   stack = layout.stack_of_table(table_name)
   table = stack.table(table_name)
   if not hasattr(rows, "aval"):  # numpy / Python values: checked; jax values: traced
-    rows = _checked_rows(rows, table.padded_vocabulary_size,
-                         f"table {table_name!r}: logical rows", "its padded vocabulary")
+    _check_rows(rows, table.padded_vocabulary_size, f"table {table_name!r}: logical rows",
+                "its padded vocabulary")
   n = stack.num_shards
   shard = (rows % n + table.shard_rotation) % n
   return shard * stack.rows_per_shard + rows // n + table.row_offset
 
 
-def _checked_rows(rows, stop: int, what: str, bound: str) -> np.ndarray:
-  """`rows` as an int64 array, all in [0, stop).
-
-  Raises:
-    ValueError: a row that is not an integer or lies outside [0, stop), naming it.
-  """
+def _check_rows(rows, stop: int, what: str, bound: str) -> None:
+  """Raises ValueError unless every row is an integer in [0, stop) (compared in the rows'
+  own dtype: a uint64 row past int64 is named as it is)."""
   array = np.asarray(rows)
   if array.size and (array.dtype == bool or not np.issubdtype(array.dtype, np.integer)):
     raise ValueError(f"{what} must be integers, got dtype {array.dtype}.")
-  array = array.astype(np.int64, copy=False)
   if array.size:
     low, high = int(array.min()), int(array.max())
     if low < 0 or high >= stop:
       raise ValueError(f"{what} must lie in [0, {stop}) ({bound}), got {low if low < 0 else high}.")
-  return array
+
+
+def _index(value, name: str, stack: StackLayout) -> int:
+  """`value` (a Python, numpy or concrete jax integer) as an int, else a TypeError."""
+  value = python_scalar(value)
+  if isinstance(value, bool) or not isinstance(value, int):
+    raise TypeError(f"stack {stack.name!r}: {name} must be an int, got {value!r}.")
+  return value
 
 
 def logical_rows_in_shard(local_rows, shard, shard_rotation, num_shards: int):
@@ -88,8 +92,9 @@ def global_to_logical_rows(stack: StackLayout, global_rows) -> tuple[np.ndarray,
   Raises:
     ValueError: a row outside [0, V_s) or not an integer.
   """
-  global_rows = _checked_rows(global_rows, stack.vocabulary_size,
-                              f"stack {stack.name!r}: global rows", "the stacked rows V_s")
+  _check_rows(global_rows, stack.vocabulary_size, f"stack {stack.name!r}: global rows",
+              "the stacked rows V_s")
+  global_rows = np.asarray(global_rows, dtype=np.int64)
   n = stack.num_shards
   shard, local = np.divmod(global_rows, stack.rows_per_shard)
   offsets = np.array([t.row_offset for t in stack.tables], dtype=np.int64)
@@ -118,8 +123,7 @@ def device_of_global_row(layout: EmbeddingLayout, stack: StackLayout, global_row
 
 def shard_row_range(stack: StackLayout, shard: int) -> tuple[int, int]:
   """[start, stop) global rows of shard `shard`."""
-  if isinstance(shard, bool) or not isinstance(shard, (int, np.integer)):
-    raise ValueError(f"stack {stack.name!r}: shard must be an int, got {shard!r}.")
+  shard = _index(shard, "shard", stack)
   if not 0 <= shard < stack.num_shards:
     raise ValueError(f"stack {stack.name!r}: shard {shard} is not in [0, {stack.num_shards}).")
   return shard * stack.rows_per_shard, (shard + 1) * stack.rows_per_shard
@@ -127,8 +131,7 @@ def shard_row_range(stack: StackLayout, shard: int) -> tuple[int, int]:
 
 def device_row_range(layout: EmbeddingLayout, stack: StackLayout, device: int) -> tuple[int, int]:
   """[start, stop) global rows held by device `device` (S * R contiguous rows)."""
-  if isinstance(device, bool) or not isinstance(device, (int, np.integer)):
-    raise ValueError(f"stack {stack.name!r}: device must be an int, got {device!r}.")
+  device = _index(device, "device", stack)
   if not 0 <= device < layout.num_devices:
     raise ValueError(f"stack {stack.name!r}: device {device} is not in [0, {layout.num_devices}).")
   rows_per_device = stack.rows_per_shard * layout.shards_per_device
@@ -171,7 +174,7 @@ def table_row_runs_in_block(
     order: global rows global_row + j hold logical rows first + N j for
     j < count; the table's padding rows (logical row >= V) are left out.
   """
-  _check_block(stack, table_index, start, stop)
+  table_index, start, stop = _check_block(stack, table_index, start, stop)
   table = stack.tables[table_index]
   n = stack.num_shards
   shard_rows = table.padded_vocabulary_size // n
@@ -190,11 +193,12 @@ def table_row_runs_in_block(
   return runs
 
 
-def _check_block(stack: StackLayout, table_index: int, start: int, stop: int) -> None:
-  """Raises ValueError for a table position or global row range the stack does not have."""
-  for name, value in (("table_index", table_index), ("start", start), ("stop", stop)):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-      raise ValueError(f"stack {stack.name!r}: {name} must be an int, got {value!r}.")
+def _check_block(stack: StackLayout, table_index: int, start: int,
+                 stop: int) -> tuple[int, int, int]:
+  """(table_index, start, stop) as ints; raises for a table position or global row range
+  the stack does not have."""
+  table_index, start, stop = (_index(value, name, stack) for name, value in (
+      ("table_index", table_index), ("start", start), ("stop", stop)))
   if not 0 <= table_index < len(stack.tables):
     raise ValueError(
         f"stack {stack.name!r}: table_index {table_index} is not in [0, {len(stack.tables)})"
@@ -203,6 +207,7 @@ def _check_block(stack: StackLayout, table_index: int, start: int, stop: int) ->
     raise ValueError(
         f"stack {stack.name!r}: row range [{start}, {stop}) is outside [0,"
         f" {stack.vocabulary_size}).")
+  return table_index, start, stop
 
 
 def logical_progression_to_global(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -134,6 +135,10 @@ def test_arguments_of_another_type_are_named(tmp_path):
     mngr.save(1, embedding)
     with pytest.raises(TypeError, match="tables must be table names .*, got 5"):
       mngr.restore(1, ck.TableRestore(tables=5))
+    some = mngr.restore(1, ck.TableRestore(tables={"a": 0}.keys()))["embedding"]  # any iterable
+    assert list(some.tables) == ["a"]
+  with ck.CheckpointManager(tmp_path / "numpy-flag", async_save=np.True_) as mngr:
+    assert mngr.directory.is_dir()
 
 
 def test_interval_on_demand_and_retention_keeps_the_newest(tmp_path):
@@ -623,26 +628,29 @@ def test_a_home_relative_directory_is_expanded_not_made_here(tmp_path, monkeypat
 
 
 
-def test_a_directory_this_process_cannot_write_is_named_when_the_manager_opens(
-    tmp_path, monkeypatch):
-  """A writable manager of a read-only directory opened fine and failed at its first save
-  with a raw "OSError: [Errno 30] Read-only file system: '.../1.orbax-checkpoint-tmp'"."""
+def test_a_directory_this_process_cannot_write_is_named_at_the_save(tmp_path, monkeypatch):
+  """A save on a read-only file system raised a raw "OSError: [Errno 30] Read-only file
+  system: '.../1.orbax-checkpoint-tmp'". Opening such a manager still works: a Trainer that
+  only evaluates a read-only workdir never saves."""
   locked = tmp_path / "locked"
   locked.mkdir()
-  if os.geteuid() != 0:  # root writes whatever the mode says; then os.access is replaced
+  if os.geteuid() != 0:  # root writes whatever the mode says: then the file system refuses
     locked.chmod(0o555)
   else:
-    real_access = os.access
-    monkeypatch.setattr(os, "access", lambda path, mode, **kw: (
-        os.fspath(path) != os.fspath(locked) and real_access(path, mode, **kw)))
+    real_mkdir = os.mkdir
+    def refusing_mkdir(path, *args, **kwargs):
+      if os.fspath(path).startswith(os.fspath(locked)):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fspath(path))
+      return real_mkdir(path, *args, **kwargs)
+    monkeypatch.setattr(os, "mkdir", refusing_mkdir)
+  message = re.escape(f"cannot save checkpoints under {locked}: the storage refused to write")
   try:
-    for directory in (locked, locked / "run" / "checkpoints"):
-      with pytest.raises(PermissionError, match=re.escape(
-          f"cannot save checkpoints under {directory}: {locked} is not writable by this process")
-                         + r".*read_only=True"):
-        ck.CheckpointManager(directory)
-    with ck.CheckpointManager(locked, read_only=True) as mngr:  # restores stay possible
-      assert mngr.all_steps() == []
+    with ck.CheckpointManager(locked, async_save=False) as mngr:  # opens: nothing written
+      with pytest.raises(PermissionError, match=message + r".*read_only=True"):
+        mngr.save(1, items={"x": ocp.args.JsonSave({"a": 1})})
+    with pytest.raises(PermissionError, match=re.escape(
+        f"cannot save checkpoints under {locked / 'run'}: the storage refused")):
+      ck.CheckpointManager(locked / "run")  # a directory to make there
     assert list(locked.iterdir()) == []
   finally:
     locked.chmod(0o755)

@@ -110,6 +110,8 @@ def test_relayout_keeps_tables_and_features():
   with pytest.raises(ValueError, match=r"table 'b': expected its shape \(vocabulary_size,"
                                        r" embedding_dim\), got \(120, 10, 1\)"):
     ck.layout_for_tables({"a": (64, 12), "b": (120, 10, 1)}, num_devices=2)
+  with pytest.raises(ValueError, match=r"table 'a': expected its shape .*, got 5"):
+    ck.layout_for_tables({"a": 5}, num_devices=2)
   assert parse_groups("a, b; c;") == [["a", "b"], ["c"]]
   with pytest.raises(ValueError, match="names no table"):
     parse_groups(" ; ")

@@ -12,6 +12,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import optax
 import pytest
@@ -117,6 +118,15 @@ def test_tied_infinite_scores_count_half_as_other_ties(seed):
   scores = np.array([-np.inf, -1.0, 0.0, 2.0, np.inf])[rng.integers(0, 5, 60)]
   assert_close(roc_auc(labels, scores), pairwise_auc(labels.tolist(), scores.tolist()),
                terms=labels.size)
+
+
+def test_roc_auc_ranks_low_precision_and_integer_scores():
+  """bfloat16 predictions of a mixed-precision model are ranked as the float32 ones."""
+  labels = np.array([0, 1, 0, 1, 1])
+  scores = np.array([0.1, 0.7, 0.3, 0.2, 0.9], np.float32)
+  for kind in (ml_dtypes.bfloat16, np.float16, np.int32, bool):
+    cast = (scores > 0.25) if kind is bool else (scores * 10).astype(kind)
+    assert roc_auc(labels, cast) == pairwise_auc(labels.tolist(), cast.astype(float).tolist())
 
 
 def test_roc_auc_of_a_nan_score_is_undefined():

@@ -782,18 +782,23 @@ def test_host_stacking_errors(example):
   assert stack_block(arrays, example, name, 10, 10).shape == (0, 16)
 
 
-def test_tables_of_other_dtypes_are_not_cast_into_one_stack(example):
+def test_a_cast_into_the_stack_that_makes_values_infinite_is_refused(example):
   """A float16 table first made the stack float16: table_b's 1e5 read back as inf."""
   arrays = {"table_a": np.ones((64, 12), np.float16),
             "table_b": np.full((120, 10), 1e5, np.float32)}
-  message = _match("stack 'table_a__table_b'", "'table_a' float16, 'table_b' float32")
-  with pytest.raises(ValueError, match=message):
-    stack(arrays, example)
-  with pytest.raises(ValueError, match=message):
-    stack_block(arrays, example, "table_a__table_b", 0, 10)
-  # An explicit dtype is the caller's choice.
-  block = stack_block(arrays, example, "table_a__table_b", 0, 192, dtype=np.float32)
-  assert block.dtype == np.float32 and block.max() == 1e5
+  message = _match("stack 'table_a__table_b': table 'table_b' holds", "not finite in the",
+                   "dtype float16", "dtype=")
+  for build in (lambda: stack(arrays, example),
+                lambda: stack_block(arrays, example, "table_a__table_b", 0, 192),
+                lambda: device_block(arrays, example, "table_a__table_b", 1)):
+    with pytest.raises(ValueError, match=message):
+      build()
+  for wide in (stack(arrays, example, dtype=np.float32)["table_a__table_b"],
+               stack_block(arrays, example, "table_a__table_b", 0, 192, dtype=np.float32)):
+    assert wide.dtype == np.float32 and wide.max() == 1e5
+  # A lossless (or only rounding) cast is the first table's dtype, as before.
+  mixed = {"table_a": np.ones((64, 12), np.float32), "table_b": np.full((120, 10), 0.1)}
+  assert stack(mixed, example)["table_a__table_b"].dtype == np.float32
   with pytest.raises(ValueError, match=_match("fill=nan", "int32")):
     stack({n: a.astype(np.int32) for n, a in arrays.items()}, example, fill=np.nan)
 
@@ -802,12 +807,20 @@ def test_row_arithmetic_refuses_rows_outside_the_stack(example):
   """Out-of-range rows and positions came back as other, existing rows: 200 rows of a
   192-row stack, table -1 as the last table, global row 192 as table_a's row 0."""
   stack_layout = example.stacks[0]
-  for table_index, start, stop, culprit in ((0, 0, 200, "row range [0, 200)"),
-                                            (-1, 0, 10, "table_index -1 is not in [0, 2)"),
-                                            (2, 0, 10, "table_index 2"),
-                                            (True, 0, 10, "table_index must be an int")):
-    with pytest.raises(ValueError, match=_match(culprit)):
+  for table_index, start, stop, error, culprit in (
+      (0, 0, 200, ValueError, "row range [0, 200)"),
+      (-1, 0, 10, ValueError, "table_index -1 is not in [0, 2)"),
+      (2, 0, 10, ValueError, "table_index 2"),
+      (True, 0, 10, TypeError, "table_index must be an int"),
+      (0, 0.5, 10, TypeError, "start must be an int, got 0.5")):
+    with pytest.raises(error, match=_match(culprit)):
       table_rows_in_block(stack_layout, table_index, start, stop)
+  # Numpy and concrete jax integers are ints.
+  for index in (np.int64(1), jnp.int32(1)):
+    assert_same_bits(table_rows_in_block(stack_layout, index, jnp.int32(0), np.uint8(100))[1],
+                     table_rows_in_block(stack_layout, 1, 0, 100)[1])
+    assert shard_row_range(stack_layout, index) == shard_row_range(stack_layout, 1)
+    assert device_row_range(example, stack_layout, index) == (96, 192)
   with pytest.raises(ValueError, match=_match("global rows must lie in [0, 192)", "got 192")):
     global_to_logical_rows(stack_layout, [0, 192])
   with pytest.raises(ValueError, match=_match("table 'table_b': logical rows", "[0, 128)",
@@ -816,10 +829,14 @@ def test_row_arithmetic_refuses_rows_outside_the_stack(example):
   with pytest.raises(ValueError, match=_match("must be integers", "float64")):
     logical_to_global_rows(example, "table_b", np.array([1.7]))
   for bad in (1.5, True):
-    with pytest.raises(ValueError, match=_match("shard must be an int")):
+    with pytest.raises(TypeError, match=_match("shard must be an int")):
       shard_row_range(stack_layout, bad)
-    with pytest.raises(ValueError, match=_match("device must be an int")):
+    with pytest.raises(TypeError, match=_match("device must be an int")):
       device_row_range(example, stack_layout, bad)
+  # A uint64 row past int64 is named as it is, not wrapped to a negative one.
+  with pytest.raises(ValueError, match=_match("got 9223372036854775813")):
+    logical_to_global_rows(example, "table_b", np.array([2**63 + 5], np.uint64))
+  assert logical_to_global_rows(example, "table_b", np.array([7], np.int32)).dtype == np.int32
   with pytest.raises(TypeError, match=_match("got the string 'table_a'", "tables=['table_a']")):
     unstack({}, example, tables="table_a")
   # Under jit the rows are traced values: computed, not inspected.

@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import Mesh
 
 from sc_framework import FeatureSpec, TableSpec, stack_tables
-from sc_framework.optimizers import Adam, RowWiseAdagrad
+from sc_framework.optimizers import Adam, RowWiseAdagrad, SlotSpec
 from sc_framework.preprocessing import preprocess
 from sc_framework.primitives import (
     EmbeddingPlan,
@@ -190,11 +190,14 @@ def test_bad_arguments_are_named():
   with pytest.raises(ValueError, match="slot 'accumulator' of table 'a': row 0 holds a value"):
     replace_tables(plan, variables, {"a": good["a"]},
                    slots={"a": {"accumulator": np.full((50, 1), 1e40)}})
+  with pytest.raises(ValueError, match="slot 'v': minimum must be None or a finite number no"
+                                       " greater than initial_value 0.0, got 1.0"):
+    SlotSpec("v", None, 0.0, minimum=1.0)
   # A negative accumulator was taken; the next update made its row NaN.
   negative = np.full((50, 1), 0.5, np.float32)
   negative[7] = -1.0
   with pytest.raises(ValueError, match=r"slot 'accumulator' of table 'a': row 7 holds a value"
-                                       r" below 0, .* NaN: \[-1.0\]"):
+                                       r" below 0, .* NaN\): \[-1.0\]"):
     replace_tables(plan, variables, {"a": good["a"]}, slots={"a": {"accumulator": negative}})
   second_moment = np.abs(good["d"])
   second_moment[169, 19] = -1e-3
@@ -227,6 +230,8 @@ def test_variables_of_a_non_float_dtype_or_without_a_key_are_refused():
     init_embedding_variables(plan, 0)
   with pytest.raises(TypeError, match="table_seed takes a table name"):
     table_seed(5)
+  with jax.default_prng_impl("rbg"):  # a raw key of 4 words, as TPU jobs often use
+    init_embedding_variables(plan, jax.random.PRNGKey(3))
   raw = init_embedding_variables(plan, jax.random.PRNGKey(3))  # both kinds of key are taken
   typed = init_embedding_variables(plan, jax.random.wrap_key_data(jax.random.PRNGKey(3)))
   assert_same_bits(table_values(plan, raw)["a"], table_values(plan, typed)["a"])
