@@ -101,7 +101,8 @@ def test_a_step_a_restore_found_damaged_is_skipped_until_it_is_saved_again(root,
     reader.mark_damaged(2, "found damaged by another process")
     for mngr, why in ((writer, str(chunk)), (reader, "another process")):
       assert why in mngr.why_unrestorable(2)
-      with pytest.warns(RuntimeWarning, match=f"{re.escape(str(root / '2'))} is skipped.*{why}"):
+      with pytest.warns(RuntimeWarning,
+                        match=f"{re.escape(str(root / '2'))} is skipped.*{re.escape(why)}"):
         assert mngr.latest_step() == 1
     # Saved again: the damaged step is moved aside (kept) and the new one is a checkpoint
     # again, also for the manager that only marked the old one.
