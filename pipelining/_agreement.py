@@ -48,11 +48,13 @@ def check_same_setup(plan: EmbeddingPlan, config: TrainerConfig, backend_name: s
                  if k not in _LOCAL_OPTIONS},
       # Its path may differ per host; whether there is one may not (saves are collective).
       "workdir given": config.workdir is not None,
-      # Chosen per process ("auto"): processes with different backends would
-      # run different programs and wait for each other forever.
-      "backend": backend_name,
-  }, hint="A process whose C++ CPU kernels are not built chooses the 'xla' backend where the"
-          " others choose 'cpu': build the kernels on every host, or pass the same backend=.")
+  })
+  # Chosen per process ("auto"): processes with different backends would run
+  # different programs and wait for each other forever.
+  check_agreement("embedding backend", {"backend": backend_name},
+                  hint="A process whose C++ CPU kernels are not built chooses the 'xla' backend"
+                       " where the others choose 'cpu': build the kernels on every host, or"
+                       " pass the same backend=.")
 
 
 def check_same_shapes(example: Any, params: Any) -> None:

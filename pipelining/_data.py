@@ -181,7 +181,9 @@ class DataStream:
           " iterator without get_state()/set_state(). Pass a re-iterable (a list, or an object"
           " whose __iter__ starts over) or an iterator with get_state()/set_state()."
       )
-    # Re-iterate from the start and skip what was consumed.
+    # Re-iterate from the start and skip what was consumed, over as many passes as the
+    # run that consumed them made (a fit with epochs=3, resumed by one without epochs).
+    passes = max(self._epochs, self.epoch + 1)
     skipped = 0
     epoch = 0
     while skipped < batches_consumed:
@@ -190,7 +192,7 @@ class DataStream:
         skipped += 1
       except StopIteration:
         epoch += 1
-        if skipped == 0 or epoch >= self._epochs:
+        if skipped == 0 or epoch >= passes:
           raise ValueError(
               f"cannot resume the data at batch {batches_consumed}: it holds only {skipped}"
               " batches."

@@ -252,6 +252,11 @@ def initialize_distributed(
       jax.config.update(option, minutes)
   if index == 0:
     _check_port_free(address, count)
+  # Said before the wait: a process that never comes leaves the others silent until the
+  # timeout, when JAX's runtime may end them itself.
+  sys.stderr.write(f"process {index} of {count}: joining the job at {address} (waiting up to"
+                   f" {timeout_s:g}s for every process to connect)\n")
+  sys.stderr.flush()
   started = time.monotonic()
   try:
     jax.distributed.initialize(

@@ -102,8 +102,9 @@ def test_processes_that_choose_different_backends_fail_naming_them(tmp_path):
   outcomes = run_failing(tmp_path, no_kernels=1)
   named = [
       outcome for outcome in outcomes
-      if "processes disagree on the trainer setup: process 0 has backend = 'cpu' but process 1"
-         " has 'xla'" in outcome.stderr and "build the kernels on every host" in outcome.stderr
+      if "processes disagree on the embedding backend: process 0 has backend = 'cpu' but"
+         " process 1 has 'xla'" in outcome.stderr
+         and "build the kernels on every host" in outcome.stderr
   ]
   assert len(named) == len(outcomes), describe(outcomes)
   assert all(outcome.returncode not in (0, None) for outcome in outcomes), describe(outcomes)

@@ -85,6 +85,22 @@ def test_the_batch_read_ahead_keeps_the_position_before_it():
   assert stream.get_state() == {"batches_consumed": 3, "epoch": 0, "position": {"at": 3}}
 
 
+@pytest.mark.parametrize("at_end", ["stop", "start_over"])
+def test_a_finished_run_of_several_epochs_resumes_without_its_epochs(at_end):
+  """A new Trainer resuming a run fit with epochs=3, without epochs: "cannot resume the
+  data at batch 9: it holds only 3 batches"."""
+  items = ["a", "b", "c"]
+  finished = _drain(DataStream(items, epochs=3))
+  _, state = finished[-1]
+  resumed = DataStream(items, batches_consumed=state["batches_consumed"],
+                       position=state["position"], epoch=state["epoch"], at_end=at_end)
+  assert resumed.resumed_at_end
+  assert [batch for batch, _ in _drain(resumed)] == ([] if at_end == "stop" else items)
+  _, middle = finished[4]  # in its second pass: the rest of that pass, then the end
+  resumed = DataStream(items, batches_consumed=middle["batches_consumed"], epoch=middle["epoch"])
+  assert [batch for batch, _ in _drain(resumed)] == ["c"]
+
+
 def test_a_plain_list_resumed_past_its_length_is_refused():
   with pytest.raises(ValueError, match="cannot resume the data at batch 5: it holds only 3"):
     DataStream(["a", "b", "c"], batches_consumed=5)

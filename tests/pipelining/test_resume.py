@@ -986,3 +986,15 @@ def test_a_table_whose_spec_changed_shape_is_named_not_a_dense_kernel(tmp_path, 
                      match=r"step 2 .* table 'b' is stored with vocabulary_size=24,"
                            r" embedding_dim=4 but its TableSpec now has 24, 5\."):
     make_trainer(tmp_path, pipelining, changed).fit(batches)
+
+
+@pytest.mark.parametrize("pipelining", [True, False])
+def test_a_new_trainer_continues_a_finished_run_of_several_epochs(tmp_path, pipelining):
+  """fit(epochs=3) to its end, then a new Trainer's fit(num_steps=...) without epochs:
+  "cannot resume the data at batch 9: it holds only 3 batches". The same Trainer went on."""
+  batches = make_batches(3, seed=17)
+  make_trainer(tmp_path, pipelining).fit(batches, epochs=3)
+  history = make_trainer(tmp_path, pipelining).fit(batches, num_steps=11)
+  assert history.resumed_from == 9 and history.final_step == 11
+  # The data started over at step 10: the next fit trains the rest of that pass.
+  assert make_trainer(tmp_path, pipelining).fit(batches).final_step == 12
