@@ -64,8 +64,8 @@ def check_devices_per_process() -> None:
         f"process {jax.process_index()} has {mine} devices, but the job's {processes} processes"
         f" have {total} in all: every process must have the same number of devices (JAX's"
         " multi-process utilities and Orbax checkpoints assume it). Start every process with"
-        " the same device count, e.g. the same --xla_force_host_platform_device_count in"
-        " XLA_FLAGS (jax_num_cpu_devices) on CPU."
+        " the same device count: on CPU the same jax_num_cpu_devices (the examples'"
+        " --cpu-devices) or --xla_force_host_platform_device_count in XLA_FLAGS."
     )
 
 
