@@ -89,6 +89,12 @@ def finish_saves_into(directory: Any) -> None:
     except Exception as error:  # noqa: BLE001 - that manager's failure, named
       warnings.warn(f"a save into {directory} by another manager of this process failed:"
                     f" {type(error).__name__}: {error}", RuntimeWarning, stacklevel=3)
+  if managers and jax.process_count() == 1:
+    # A save whose wait a Ctrl-C interrupted (a fit aborted by a second Ctrl-C) still
+    # writes, but its manager's wait returns at once (see the module doc): its thread
+    # is waited for, or the opening manager's cleanup would remove files under it.
+    _wait_for_save_threads("waiting for a checkpoint save of this process still being"
+                           f" written into {directory} (Ctrl-C abandons it).")
 
 
 def forget(manager: Any) -> None:
@@ -116,7 +122,8 @@ def _finish_saves() -> None:
         _say(f"the checkpoint save in {manager.directory} still running at exit failed"
              f" ({type(error).__name__}: {error}); its step is not complete, and the"
              " steps saved before it are kept.")
-    _wait_for_save_threads()
+    _wait_for_save_threads("waiting at exit for a checkpoint save still being written (Ctrl-C"
+                           " abandons it).")
   except KeyboardInterrupt:
     _say("interrupted while a checkpoint save was finishing at exit: that save is abandoned"
          " (the steps saved before it are kept; the next manager opened there removes what"
@@ -131,13 +138,14 @@ def _save_threads() -> list[threading.Thread]:
           and thread.ident in sys._current_frames()]
 
 
-def _wait_for_save_threads() -> None:
-  """Blocks while an Orbax save thread still runs (see the module doc)."""
+def _wait_for_save_threads(announcement: str) -> None:
+  """Blocks while an Orbax save thread still runs (see the module doc); a wait longer than
+  `_SAY_AFTER_S` is announced."""
   threads = _save_threads()
   start, said = time.monotonic(), False
   while any(thread.ident in sys._current_frames() for thread in threads):
     if not said and time.monotonic() - start > _SAY_AFTER_S:
-      _say("waiting at exit for a checkpoint save still being written (Ctrl-C abandons it).")
+      _say(announcement)
       said = True
     time.sleep(0.02)
 
