@@ -477,7 +477,7 @@ def continues_chain(parent: epath.PathLike, state: Manifest, layout: EmbeddingLa
 def stored_table_names(item: epath.PathLike) -> tuple[str, ...]:
   """The tables of an embedding item, read from manifests only (a delta's are its
   chain's, which keeps its base's tables)."""
-  return CheckpointReader(walk_chain(item, check_ids=False)[0][0]).table_names
+  return tuple(stored_table_shapes(item))
 
 
 def stored_table_shapes(item: epath.PathLike) -> dict[str, tuple[int, int]]:

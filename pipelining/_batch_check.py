@@ -173,13 +173,13 @@ def check_unmasked(tree: Any, entry: str, where: str) -> None:
       )
 
 
-def _leaves(shapes: Shapes, verb: str) -> str:
-  """A batch entry's leaves in words: missing, one array, or the paths of a tree."""
+def _leaves(shapes: Shapes) -> str:
+  """A batch entry's leaves in words: none (no such entry), one array, or a tree's paths."""
   if not shapes:
-    return "is missing" if verb == "is" else "had none"
+    return "nothing (no such entry)"
   if set(shapes) == {""}:
-    return "is one array" if verb == "is" else "had one array"
-  return f"{'has' if verb == 'is' else 'had'} the leaves {sorted(shapes)}"
+    return "one array"
+  return f"the leaves {sorted(shapes)}"
 
 
 def check_like_first(entry: str, first: Shapes, shapes: Shapes, where: str,
@@ -193,9 +193,9 @@ def check_like_first(entry: str, first: Shapes, shapes: Shapes, where: str,
   earlier = f"the first batch this Trainer checked ({first_where})"
   if set(shapes) != set(first):
     raise ValueError(
-        f"{where}: its {entry!r} entry {_leaves(shapes, 'is')} but {earlier}"
-        f" {_leaves(first, 'had')}; every batch must have the structure of the first (the"
-        " model was built for it)."
+        f"{where}: its {entry!r} entry holds {_leaves(shapes)} but {earlier} held"
+        f" {_leaves(first)}; every batch must have the structure of the first (the model was"
+        " built for it)."
     )
   for path, (shape, dtype) in first.items():
     got_shape, got_dtype = shapes[path]

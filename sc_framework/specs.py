@@ -232,7 +232,6 @@ class FeatureSpec:
           f"{owner}: a sequence feature (output_shape {self.output_shape}) needs input_shape"
           f" (batch, sequence_length) = ({batch}, {length}), got {self.input_shape}."
       )
-    _check_positive_int(owner, "output_shape[1] (sequence length)", length)
     if length != self.input_shape[1]:
       raise ValueError(
           f"{owner}: output_shape {self.output_shape} has sequence length {length} but"

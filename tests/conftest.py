@@ -88,20 +88,9 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def pytest_report_header(config):
-  """Which package and kernel build the run tests: a checkout without its compiled C++
-  kernels (a non-editable install, no compiler) skips their tests, which the header says."""
-  del config
-  import sc_framework  # pylint: disable=g-import-not-at-top
-  from sc_framework.primitives import cpu_kernels_build  # pylint: disable=g-import-not-at-top
-  build = cpu_kernels_build()
-  kernels = (f"the {build} build" if build else
-             "NOT BUILT here, so their tests are skipped (`pip install -e .` builds them)")
-  return [f"sc_framework: {os.path.dirname(sc_framework.__file__)}; C++ CPU kernels: {kernels}"]
-
-
 def pytest_terminal_summary(terminalreporter):
-  """Says so at the end too (a -q run shows no header) when the kernels are not built."""
+  """Says so at the end of the run when the C++ kernels are not built: a checkout without
+  them (a non-editable install, no compiler) skips their tests quietly otherwise."""
   from sc_framework.primitives import cpu_kernels_build  # pylint: disable=g-import-not-at-top
   if cpu_kernels_build() is None:
     terminalreporter.write_line(

@@ -55,10 +55,14 @@ def _cast(values: np.ndarray, dtype, table_name: str, stack: StackLayout) -> np.
   Raises:
     ValueError: naming the table, the value and the dtype.
   """
+  if values.dtype == dtype:
+    return values
   with np.errstate(over="ignore", invalid="ignore"):
-    cast = values.astype(dtype, copy=False)
-  if np.issubdtype(values.dtype, np.floating) or values.dtype.kind == "V":  # ml_dtypes floats
-    lost = np.isfinite(values.astype(np.float64)) & ~np.isfinite(cast.astype(np.float64))
+    cast = values.astype(dtype)
+  floats = "fV"  # numpy's floats and ml_dtypes' (bfloat16)
+  if values.dtype.kind in floats and cast.dtype.kind in floats:
+    infinite = ~np.isfinite(cast)  # no copy of the block: only where the cast gave inf
+    lost = infinite & np.isfinite(values) if infinite.any() else infinite
     if lost.any():
       value = values[np.unravel_index(int(np.flatnonzero(lost)[0]), values.shape)]
       raise ValueError(

@@ -121,7 +121,7 @@ def test_an_item_name_that_is_no_directory_name_is_refused(tmp_path, name, error
 def test_arguments_of_another_type_are_named(tmp_path):
   """Each gave a bare Python error naming no argument ("expected str, bytes or os.PathLike
   object, not NoneType"; "'int' object is not iterable"; "unsupported operand ... 'str'")."""
-  for directory in (None, 5, b"/tmp/x"):
+  for directory in (None, 5, b"checkpoints"):
     with pytest.raises(TypeError, match="CheckpointManager directory must be a path"):
       ck.CheckpointManager(directory)
   with pytest.raises(TypeError, match="async_save must be True or False, got 'no'"):

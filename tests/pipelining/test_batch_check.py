@@ -39,11 +39,11 @@ def test_same_shapes_pass_and_float64_counts_as_float32():
      "batch 1 of the training data: dense has shape (8, 4) and dtype float32 but the first"
      " batch this Trainer checked (batch 0 of the training data) had shape (8, 3)"),
     ({"x": np.zeros((8, 3), np.float32)}, np.zeros(8, np.float32),
-     "batch 1 of the training data: its 'dense' entry has the leaves [\"['x']\"] but the first"
-     " batch this Trainer checked (batch 0 of the training data) had one array"),
+     "batch 1 of the training data: its 'dense' entry holds the leaves [\"['x']\"] but the"
+     " first batch this Trainer checked (batch 0 of the training data) held one array"),
     (None, np.zeros(8, np.float32),  # read "has the leaves none but ... had ['']"
-     "batch 1 of the training data: its 'dense' entry is missing but the first batch this"
-     " Trainer checked (batch 0 of the training data) had one array"),
+     "batch 1 of the training data: its 'dense' entry holds nothing (no such entry) but the"
+     " first batch this Trainer checked (batch 0 of the training data) held one array"),
 ])
 def test_a_different_batch_names_its_position_the_entry_and_both_shapes(dense, labels, message):
   checker = BatchChecker([8], 1, 1)
