@@ -249,9 +249,11 @@ def _write_whole(path: epath.Path, data: bytes) -> None:
   except OSError as error:
     with contextlib.suppress(OSError):
       partial.unlink(missing_ok=True)
-    if error.filename is None:  # e.g. a full disk's ENOSPC
-      raise OSError(error.errno, f"writing {path}: {error.strerror or error}") from error
-    raise
+    # Named by the file asked for, not the temporary sibling it failed on.
+    reason = error.strerror or str(error)
+    if not path.parent.is_dir():
+      reason += f" (its directory {path.parent} does not exist: create it first)"
+    raise type(error)(error.errno, f"writing {path}: {reason}") from error
 
 
 def plot_workdir(workdir: epath.PathLike, output: epath.PathLike | None = None, *,

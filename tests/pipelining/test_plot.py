@@ -155,6 +155,18 @@ def test_a_write_the_storage_refuses_leaves_no_partial_image_and_names_the_file(
   assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
 
 
+def test_an_output_in_a_missing_directory_is_named_with_its_directory(tmp_path, capsys):
+  """The error named the temporary sibling the image is first written to."""
+  write(tmp_path / "metrics.jsonl", [{"step": s, "loss": 1.0 / s} for s in range(1, 5)])
+  target = tmp_path / "figures" / "curve.png"
+  assert plot.main([str(tmp_path), "--output", str(target)]) == 1
+  err = capsys.readouterr().err
+  assert f"writing {target}: No such file or directory (its directory {target.parent} does not"\
+      " exist: create it first)" in err, err
+  assert ".partial" not in err and err.count("\n") == 1, err
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
+
 def test_a_record_the_disk_cuts_short_is_cut_back_off_and_the_next_follows_whole(
     tmp_path, monkeypatch):
   """A full disk stored half a record, and the next record, once there was room, was
