@@ -105,8 +105,11 @@ def warn_passes_out_of_step(this_pass: int) -> None:
       jax.process_index(), this_pass)
 
 
-def warn_data_ended_elsewhere() -> None:
+def warn_data_ended_elsewhere(use: str = "training") -> None:
+  """`use`: what the data is for ("training", "evaluation" or "prediction")."""
+  covers = {"evaluation": " (the metrics cover only the batches every process had)",
+            "prediction": " (the predictions cover only the batches every process had)"}
   _LOG.warning(
-      "process %d: another process's data ended before this process's; the global batches"
-      " end there and this process's remaining batches are not used. Give every process"
-      " the same number of batches.", jax.process_index())
+      "process %d: another process's data ended before this process's, in %s; the global"
+      " batches end there and this process's remaining batches are not used%s. Give every"
+      " process the same number of batches.", jax.process_index(), use, covers.get(use, ""))

@@ -827,8 +827,8 @@ class Trainer:
       self._state_only_from = step
       return
 
-  def _next(self, prefetcher: Prefetcher) -> Prepared | None:
-    """The next prepared batch, or None when the data of any process ended.
+  def _next(self, prefetcher: Prefetcher, use: BatchUse = "training") -> Prepared | None:
+    """The next prepared batch of the `use` data, or None when the data of any process ended.
 
     A global batch needs every process's slice: when one process's data ends,
     every process ends there (the others' remaining batches are not used).
@@ -851,7 +851,7 @@ class Trainer:
       self._stop.set()  # agreed here, at no extra exchange (`Schedule.stop_agreed`)
     if ended:
       if prepared is not None:
-        warn_data_ended_elsewhere()
+        warn_data_ended_elsewhere(use)
       return None
     if any_odd and any_even:
       warn_passes_out_of_step(pass_of(prepared))
@@ -882,7 +882,7 @@ class Trainer:
                     depth=self.config.prefetch_depth,
                     workers=self.config.prefetch_workers) as prefetcher:
       first = True
-      while (prepared := self._next(prefetcher)) is not None:
+      while (prepared := self._next(prefetcher, use)) is not None:
         if first:
           self._build(prepared.batch)
           self._adopt_newer_checkpoint()

@@ -120,11 +120,19 @@ def test_a_process_that_does_not_arrive_times_out(tmp_path):
 
 
 def test_the_data_ends_for_all_when_one_process_has_fewer_batches(tmp_path):
-  outcomes = run_failing(tmp_path, short=1)
+  """Then predict and evaluate the same data: the warning says which data ended."""
+  outcomes = run_failing(tmp_path, short=1, predict=True)
   assert [o.returncode for o in outcomes] == [0, 0], describe(outcomes)
   for process in (0, 1):
     assert history(tmp_path, process)["final_step"] == BATCHES - 1
-  assert "process 0: another process's data ended" in outcomes[0].stderr
+  for use, covered in (("training", ""),
+                       ("prediction", " (the predictions cover only the batches every process"
+                                      " had)"),
+                       ("evaluation", " (the metrics cover only the batches every process had)")):
+    assert (f"process 0: another process's data ended before this process's, in {use}; the"
+            f" global batches end there and this process's remaining batches are not"
+            f" used{covered}.") in outcomes[0].stderr, describe(outcomes)
+  assert "another process's data ended" not in outcomes[1].stderr, describe(outcomes)
 
 
 @pytest.mark.parametrize("pipelining", [False, True])
