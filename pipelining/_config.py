@@ -40,7 +40,8 @@ class TrainerConfig:
       figures). Each worker keeps its own scratch buffers, and up to
       prefetch_depth + 1 batches are held; give prefetch_depth >=
       prefetch_workers to keep them all busy. The batches and the results
-      are the same for any number.
+      are the same for any number. With several, each worker gets a copy of
+      its batch's numpy arrays, which the data loader may refill meanwhile.
     shards_per_device: S, shards of every stack per device.
     stacking: which tables share a stack: "auto" (every group of compatible
       tables, `auto_stack_tables`), "separate" (a stack per table), groups of

@@ -23,17 +23,25 @@ Guarantees (for any `workers`):
     handed out (a `Remainder`), so that a later Prefetcher on the same
     iterator continues exactly where the consumer stopped: no batch is lost;
   * `at_end()` says whether the data ended, without handing out (or raising)
-    the next item.
+    the next item;
+  * an iterator may refill the same arrays for every batch (a loader with
+    preallocated buffers): `prepare` runs before the next pull, and with
+    `workers` > 1, where the next batch is pulled while this one is
+    prepared, a worker gets a copy of the batch's numpy arrays (`detached`).
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
+
+import jax
+import numpy as np
 
 
 class Prepared(NamedTuple):
@@ -89,6 +97,32 @@ class Remainder(NamedTuple):
   def at_end(self) -> bool:
     """Whether nothing is left: the next item is the end of the data."""
     return bool(self.items) and self.items[0] is _END
+
+
+def detached(raw: Any) -> Any:
+  """`raw` with a copy of every numpy array in it, so that its source may change.
+
+  Arrays are found at any depth of the pytree (dicts, lists, tuples, ...; the
+  containers are rebuilt as jax.tree does) and inside the dataclass instances
+  at its leaves (the id forms `DenseIds`, `RaggedIds`, ...); the elements of an
+  object array (per-sample id arrays) are copied too. Anything else (jax
+  arrays, which never change, scalars) is kept as is.
+  """
+  return jax.tree.map(_detached_leaf, raw)
+
+
+def _detached_leaf(leaf: Any) -> Any:
+  if isinstance(leaf, np.ndarray):
+    copy = leaf.copy()
+    if leaf.dtype == object:
+      for position, element in enumerate(leaf.flat):
+        copy.flat[position] = detached(element)
+    return copy
+  if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+    return dataclasses.replace(leaf, **{
+        field.name: detached(getattr(leaf, field.name))
+        for field in dataclasses.fields(leaf) if field.init})
+  return leaf
 
 
 class Prefetcher:
@@ -188,8 +222,9 @@ class Prefetcher:
         position = get_state() if callable(get_state) else None
         if self._pool is None or index == self._index:
           prepared = Prepared(index, self._prepare(raw, index), position)
-        else:
-          prepared = _Pending(index, self._pool.submit(self._prepare, raw, index), position)
+        else:  # The iterator may refill its arrays for the next batch, pulled meanwhile.
+          prepared = _Pending(index, self._pool.submit(self._prepare, detached(raw), index),
+                              position)
         index += 1
         if not self._put(prepared):
           return
