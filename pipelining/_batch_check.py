@@ -28,6 +28,7 @@ wrong thing.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
@@ -148,11 +149,15 @@ def check_rows(shapes: Shapes, entry: str, rows: Sequence[int], samples: str, wh
       continue
     want = " or ".join(map(str, rows))
     got = f"leading dimension {shape[0]}" if shape else "no leading dimension"
+    listed = ""
+    if not shape and re.match(r"\[\d+\]", path):  # a list of numbers: a pytree of scalars
+      listed = (f" ({entry} is a list or tuple, each of its items one array: pass"
+                f" np.asarray({entry}) to give one array)")
     raise ValueError(
         f"{where}: {entry}{path} has shape {shape}, {got}, but the batch has {want} samples"
-        f" ({samples}); labels and dense features need one row per sample, leading dimension"
-        f" {want}. Feed {entry}{path} of shape {(rows[0],) + shape[1:]} or change the"
-        " FeatureSpecs' batch size."
+        f" ({samples}){listed}; labels and dense features need one row per sample, leading"
+        f" dimension {want}. Feed {entry}{path} of shape {(rows[0],) + shape[1:]} or change"
+        " the FeatureSpecs' batch size."
     )
 
 

@@ -19,6 +19,7 @@ from pipelining._features import FeatureTree
 from pipelining._in_flight import DroppedIds, Staged, kept_inputs
 from pipelining._placement import global_batch
 from pipelining._steps import DeviceBatch
+from sc_framework._error_place import name_the_place
 from sc_framework.preprocessing import (
     PartitionOverflowError,
     kept_id_masks,
@@ -67,7 +68,7 @@ class BatchStager:
       preprocessed, dropped = self.preprocess(sparse)
     except (ValueError, TypeError) as error:  # it names the feature, sample and id
       if index is not None:
-        _name_the_batch(error, batch_name(use, index))
+        name_the_place(error, batch_name(use, index))
       raise
     if dropped:
       with self._dropped_lock:
@@ -131,15 +132,3 @@ def overflow_advice(error: PartitionOverflowError, limits, tables: list[str]) ->
           " burstier batches: size_limits_from_stats(..., headroom=1.2) computes them from a"
           " few batches), or pass allow_id_dropping=True to the Trainer to drop the excess"
           " ids deterministically (counted in trainer.dropped_ids).")
-
-
-def _name_the_batch(error: Exception, where: str) -> None:
-  """Starts the error's message with the batch, `where`: "batch 2 of the training data: ...".
-
-  The error keeps its type, attributes and traceback. An error whose message is not
-  its first argument (a str) gets the batch as a note instead.
-  """
-  if error.args and isinstance(error.args[0], str) and str(error) == error.args[0]:
-    error.args = (f"{where}: {error.args[0]}",) + error.args[1:]
-  else:
-    error.add_note(f"(in {where})")

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from sc_framework._error_place import name_the_place
 from sc_framework.preprocessing._assemble import assemble_stack, locate_sample, sequence_samples
 from sc_framework.preprocessing._batch import PreprocessedBatch, StackBatch, stack_signature
 from sc_framework.preprocessing._inputs import FeatureInput, flatten_input
@@ -337,7 +338,18 @@ def collect_stats(
         " of batches, e.g. collect_stats([batch], ...), or an iterator over a dataset."
     )
   stats = merge_stats(
-      batch_stats(batch, feature_specs, layout, padding_id=padding_id, devices=devices)
-      for batch in batches
+      _batch_stats_named(index, batch, feature_specs, layout, padding_id, devices)
+      for index, batch in enumerate(batches)
   )
   return stats if stats.stacks else PreprocessStats({}, layout)
+
+
+def _batch_stats_named(index: int, batch: Mapping[str, FeatureInput],
+                       feature_specs: Sequence[FeatureSpec], layout: EmbeddingLayout,
+                       padding_id: PaddingId, devices: range | None) -> PreprocessStats:
+  """`batch_stats` of the index-th batch of collect_stats; its errors name the batch."""
+  try:
+    return batch_stats(batch, feature_specs, layout, padding_id=padding_id, devices=devices)
+  except (ValueError, TypeError) as error:
+    name_the_place(error, f"batch {index} of the batches given to collect_stats")
+    raise

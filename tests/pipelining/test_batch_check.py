@@ -60,7 +60,12 @@ def test_a_different_batch_names_its_position_the_entry_and_both_shapes(dense, l
     ({"u": np.zeros((8, 3)), "v": np.zeros((16, 2))}, np.zeros(8),
      "dense['v'] has shape (16, 2), leading dimension 16, but the batch has 8 samples"),
     (np.zeros((8, 3)), {"y": np.zeros(8), "w": np.float32(1.0)},
-     "labels['w'] has shape (), no leading dimension, but the batch has 8 samples"),
+     "labels['w'] has shape (), no leading dimension, but the batch has 8 samples (the"
+     " FeatureSpecs' batch size); labels"),
+    (np.zeros((8, 3)), [0.0] * 8,
+     "labels[0] has shape (), no leading dimension, but the batch has 8 samples (the"
+     " FeatureSpecs' batch size) (labels is a list or tuple, each of its items one array: pass"
+     " np.asarray(labels) to give one array); labels"),
 ])
 def test_a_leaf_without_one_row_per_sample_is_refused_naming_both(dense, labels, message):
   with pytest.raises(ValueError, match=re.escape(message)):

@@ -910,6 +910,18 @@ def test_sizing_from_stats():
   assert isinstance(stats, PreprocessStats)
 
 
+def test_a_bad_batch_of_collect_stats_is_named_by_its_place():
+  specs = skewed_model()
+  layout = auto_stack_tables(specs, 2, 2)
+  rng = np.random.default_rng(7)
+  batches = [{s.name: to_form(random_samples(rng, s.batch_size, 40, 8), "ragged_list", False)[0]
+              for s in specs} for _ in range(3)]
+  del batches[2][specs[1].name]
+  with pytest.raises(ValueError, match=rf"^batch 2 of the batches given to collect_stats:"
+                                       rf" .*{specs[1].name}"):
+    collect_stats(batches, specs, layout)
+
+
 def test_stats_of_one_layout_do_not_size_another():
   """Partitions depend on G, S and the stacking: figures of one layout are refused for another."""
   specs = skewed_model()
