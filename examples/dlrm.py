@@ -379,7 +379,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   import optax
 
   from checkpoint import IncompatibleCheckpointError
-  from pipelining import Trainer
+  from pipelining import NonFiniteLossError, Trainer
   from pipelining.plot import plot_workdir
   from sc_framework.preprocessing import collect_stats, size_limits_from_stats
   from sc_framework.primitives import check_devices_per_process
@@ -431,6 +431,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     _parser().error(
         f"--workdir {args.workdir} holds checkpoints written with other flags than these"
         f" (resume with those flags, or pass a new --workdir): {error}")
+  except NonFiniteLossError as error:  # one line, as the flags' errors: a smaller rate
+    print(f"{_parser().prog}: error: {error} (here: --learning-rate {args.learning_rate})",
+          file=sys.stderr, flush=True)
+    raise SystemExit(1) from None
   # fit evaluates at its end unless it was interrupted or trained nothing new.
   ran_final = history.evaluations and history.evaluations[-1][0] == history.final_step
   if ran_final:

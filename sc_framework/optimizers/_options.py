@@ -24,9 +24,12 @@ neither decayed nor clipped in that step. Steps 1 and 2 see the summed row
 gradient, so a row looked up twice in a batch is clipped once, on its sum.
 Step 5 applies to the table's logical columns only (the padding columns of a
 stacked row keep their content). With every option at its default all five
-steps reduce to the rule itself. A NaN or infinite gradient entry is not
-filtered by any step: the values it updates become non-finite (a check of the
-tables finds it), in every built-in rule.
+steps reduce to the rule itself. No step filters a non-finite gradient
+entry. A NaN makes the values it updates NaN (a check of the tables finds
+it), in every built-in rule. An infinite entry leaves a NaN or infinite value
+unless step 1 or step 5 bounds it (clipvalue clips it, clip_weight_* the
+infinite weight it makes); under row_clipnorm (and row-wise Adagrad's
+accumulator) the rest of its row gets a zero update.
 """
 
 from __future__ import annotations

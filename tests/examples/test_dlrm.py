@@ -125,6 +125,16 @@ def test_a_resume_with_another_batch_size_gives_one_line_naming_both(tmp_path, c
   assert "in-flight batch of other shapes" in error and "64 samples then, 128 now" in error, error
 
 
+def test_a_loss_that_becomes_infinite_gives_one_line_naming_the_rate(capsys):
+  """It ended with the NonFiniteLossError's traceback."""
+  with pytest.raises(SystemExit) as exit_:
+    dlrm.main(["--steps", "3", *SMALL, "--learning-rate", "1e30", "--workdir", ""])
+  assert exit_.value.code == 1
+  error = capsys.readouterr().err.strip().splitlines()[-1]
+  assert error.startswith("dlrm.py: error: the loss is "), error
+  assert "Lower the learning rate" in error and error.endswith("(here: --learning-rate 1e+30)")
+
+
 def test_a_workdir_with_glob_characters_gives_one_line_naming_it(tmp_path, capsys):
   """It failed after start-up with a traceback from the checkpoint manager."""
   with pytest.raises(SystemExit) as exit_:

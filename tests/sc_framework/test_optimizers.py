@@ -962,3 +962,36 @@ def test_row_clipnorm_of_a_row_holding_an_inf_spoils_only_that_element(backend):
   wide = grads[others].astype(np.float64)
   expected = before[ids[others, 0]] - 0.5 * wide / np.linalg.norm(wide, axis=1, keepdims=True)
   assert_close(after[ids[others, 0]], expected, terms=8)
+
+
+@pytest.mark.parametrize("backend", ["xla"] + (["cpu"] if cpu_kernels_available() else []))
+def test_an_infinite_gradient_is_bounded_only_by_the_clipping_options(backend):
+  """The README said every rule made it non-finite: clipvalue and clip_weight_* bound it,
+  and row-wise Adagrad's accumulator turns infinite, freezing the rest of the row."""
+  ids = np.arange(8).reshape(8, 1) * 3
+  grads = np.random.default_rng(11).normal(size=(8, 8)).astype(np.float32)
+  grads[1, 4] = np.inf  # row 3, column 4
+
+  def step(optimizer, times=1):
+    feature = FeatureSpec("f", TableSpec("t", 24, 8, optimizer=optimizer), (8, 1))
+    plan = EmbeddingPlan.create([feature])
+    variables = init_embedding_variables(plan, jax.random.key(6))
+    before = _logical_state(plan, variables, optimizer)[0]["t"]
+    batch, _ = preprocess({"f": ids}, [feature], plan.layout)
+    after = variables
+    for count in range(times):
+      after = apply_embedding_gradients(plan, after, batch, {"f": jnp.asarray(grads)}, count,
+                                        backend=backend)
+    tables, slots = _logical_state(plan, after, optimizer)
+    return before, tables["t"], {name: value["t"] for name, value in slots.items()}
+
+  table, clipped, _ = step(SGD(0.5, clipvalue=1.0))
+  np.testing.assert_array_equal(clipped[3, 4], table[3, 4] - np.float32(0.5))
+  _, bounded, _ = step(SGD(0.5, clip_weight_min=-2.0, clip_weight_max=2.0))
+  assert bounded[3, 4] == -2.0 and np.isfinite(bounded).all()
+  _, plain, _ = step(SGD(0.5))
+  assert plain[3, 4] == -np.inf
+  table, rowwise, slots = step(RowWiseAdagrad(0.5), times=2)
+  assert np.argwhere(~np.isfinite(rowwise)).tolist() == [[3, 4]] and np.isnan(rowwise[3, 4])
+  assert_same_bits(np.delete(rowwise[3], 4), np.delete(table[3], 4))  # frozen
+  assert slots["accumulator"][3, 0] == np.inf
