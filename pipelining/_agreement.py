@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -22,7 +22,7 @@ import numpy as np
 
 from pipelining._config import TrainerConfig
 from pipelining._distributed import allgather_json, check_agreement
-from pipelining._prefetch import Prepared
+from pipelining._prefetch import Prefetcher, Prepared
 from sc_framework.primitives import EmbeddingPlan
 
 _LOG = logging.getLogger("pipelining")
@@ -88,6 +88,49 @@ def every_process_has(example: Any | None) -> bool:
         " this process's batches are not used. Give every process the same number of"
         " batches.", jax.process_index(), [p for p, has in enumerate(have) if not has])
   return False
+
+
+def next_agreed(prefetcher: Prefetcher, any_process: Callable[..., tuple[bool, ...]],
+                stop_requested: bool, use: str) -> tuple[Prepared | None, bool]:
+  """The next prepared batch (None when the data of any process ended) and whether any
+  process requested a stop.
+
+  A global batch needs every process's slice: when one process's data ends,
+  every process ends there (the others' remaining batches are not used).
+  The same exchange (`any_process`: for each flag, whether any process set
+  it) agrees on a stop requested on any process meanwhile (while this
+  process waited for its data, say). With several passes (epochs), it also
+  agrees that every process's batch is of the same pass: a process whose
+  pass held fewer batches starts its next pass early, and its slices would
+  join the others' of another global batch. The processes stop there
+  instead, as at the end of the data.
+  """
+  try:
+    prepared = next(prefetcher)
+  except StopIteration:
+    prepared = None
+  odd_pass = prepared is not None and pass_of(prepared) % 2 == 1
+  even_pass = prepared is not None and not odd_pass
+  ended, stop, any_odd, any_even = any_process(prepared is None, stop_requested, odd_pass,
+                                               even_pass)
+  if ended:
+    if prepared is not None:
+      warn_data_ended_elsewhere(use)
+    return None, stop
+  if any_odd and any_even:
+    warn_passes_out_of_step(pass_of(prepared))
+    return None, stop
+  return prepared, stop
+
+
+def data_ended_agreed(prefetcher: Prefetcher,
+                      any_process: Callable[..., tuple[bool, ...]]) -> bool:
+  """Whether the data of any process ends here; the next batch stays in `prefetcher`."""
+  here = prefetcher.at_end()
+  ended = any_process(here)[0]
+  if ended and not here:
+    warn_data_ended_elsewhere()
+  return ended
 
 
 def pass_of(prepared: Prepared) -> int:

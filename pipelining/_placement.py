@@ -27,7 +27,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from pipelining._steps import DeviceBatch
-from sc_framework._byte_order import native_dtype
+from sc_framework._byte_order import native_byte_order
 from sc_framework.preprocessing import PreprocessedBatch
 
 
@@ -61,29 +61,33 @@ def to_global(tree: Any, sharding: NamedSharding, num_devices: int, local_device
   if tree is None:
     return None
   leaves, treedef = jax.tree.flatten(tree)
-  # Copies, in native byte order ('>f4' data read from files): on CPU the arrays made
-  # below may share a host array's memory, and a data loader may refill its arrays
-  # for the next batch while this one is still to be trained on.
-  leaves = [_owned_copy(leaf) for leaf in leaves]
+  leaves = [native_byte_order(leaf) for leaf in leaves]  # '>f4' data read from files
   # Flat lists: jax reads a tuple in global_shape as a shape, also a NamedTuple.
   shapes = [_global_shape(np.shape(x), num_devices, local_devices, what) for x in leaves]
   return treedef.unflatten(jax.make_array_from_process_local_data(sharding, leaves, shapes))
 
 
-def _owned_copy(leaf: Any) -> Any:
-  """A host array's values in a new native-byte-order array; other leaves (jax arrays) as given."""
-  if isinstance(leaf, jax.Array):
-    return leaf
-  leaf = np.asarray(leaf)
-  return np.array(leaf, dtype=native_dtype(leaf.dtype), copy=True)
+def _owned_copies(tree: Any) -> Any:
+  """The tree with every host array copied (jax arrays, which never change, kept).
+
+  On CPU a jax array made from a host array may share its memory, and a data
+  loader may refill its arrays for the next batch while this one is still to
+  be trained on.
+  """
+  return jax.tree.map(lambda leaf: leaf if isinstance(leaf, jax.Array) else np.array(leaf), tree)
 
 
 def global_batch(sparse: PreprocessedBatch, dense: Any, labels: Any, sharding: NamedSharding,
                  num_devices: int, local_devices: int) -> DeviceBatch:
-  """A process's preprocessed stacks, dense features and labels as one global batch."""
+  """A process's preprocessed stacks, dense features and labels as one global batch.
+
+  The dense features and labels are the user's arrays, copied first
+  (`_owned_copies`); the preprocessed stacks are this library's own.
+  """
   return DeviceBatch(*(
       to_global(tree, sharding, num_devices, local_devices, what)
-      for tree, what in ((sparse, "preprocessed ids"), (dense, "dense"), (labels, "labels"))
+      for tree, what in ((sparse, "preprocessed ids"), (_owned_copies(dense), "dense"),
+                         (_owned_copies(labels), "labels"))
   ))
 
 

@@ -21,10 +21,9 @@ from checkpoint import CorruptCheckpointError
 from pipelining._agreement import (
     check_same_setup,
     check_same_shapes,
+    data_ended_agreed,
     every_process_has,
-    pass_of,
-    warn_data_ended_elsewhere,
-    warn_passes_out_of_step,
+    next_agreed,
 )
 from pipelining._batch_check import (
     BatchUse,
@@ -756,7 +755,8 @@ class Trainer:
         evaluate=None if eval_data is None else lambda: self.evaluate(eval_data),
         eval_every=eval_every,
         save=None if self._checkpoints is None else lambda state: self._save(state, callbacks),
-        wait_for_saves=self._wait_for_saves, save_every=self.config.save_every,
+        wait_for_saves=lambda: None if self._checkpoints is None else self._checkpoints.wait(),
+        save_every=self.config.save_every,
         save_on_nonfinite=self.config.save_on_nonfinite,
     )
 
@@ -828,43 +828,17 @@ class Trainer:
       return
 
   def _next(self, prefetcher: Prefetcher, use: BatchUse = "training") -> Prepared | None:
-    """The next prepared batch of the `use` data, or None when the data of any process ended.
-
-    A global batch needs every process's slice: when one process's data ends,
-    every process ends there (the others' remaining batches are not used).
-    The same exchange agrees on a stop requested on any process meanwhile
-    (while this process waited for its data, say): it sets `_stop`. With
-    several passes (epochs), it also agrees that every process's batch is of
-    the same pass: a process whose pass held fewer batches starts its next
-    pass early, and its slices would join the others' of another global
-    batch. The processes stop there instead, as at the end of the data.
-    """
-    try:
-      prepared = next(prefetcher)
-    except StopIteration:
-      prepared = None
-    odd_pass = prepared is not None and pass_of(prepared) % 2 == 1
-    even_pass = prepared is not None and not odd_pass
-    ended, stop, any_odd, any_even = self._any_process(
-        prepared is None, self._stop_requested.is_set(), odd_pass, even_pass)
+    """The next prepared batch of the `use` data, or None when the data of any process ended
+    (`next_agreed`); a stop requested on any process sets `_stop`."""
+    prepared, stop = next_agreed(prefetcher, self._any_process,
+                                 self._stop_requested.is_set(), use)
     if stop:
       self._stop.set()  # agreed here, at no extra exchange (`Schedule.stop_agreed`)
-    if ended:
-      if prepared is not None:
-        warn_data_ended_elsewhere(use)
-      return None
-    if any_odd and any_even:
-      warn_passes_out_of_step(pass_of(prepared))
-      return None
     return prepared
 
   def _data_ended(self, prefetcher: Prefetcher) -> bool:
     """Whether the data of any process ends here; the next batch stays in `prefetcher`."""
-    here = prefetcher.at_end()
-    ended = self._any_process(here)[0]
-    if ended and not here:
-      warn_data_ended_elsewhere()
-    return ended
+    return data_ended_agreed(prefetcher, self._any_process)
 
   # --- evaluation -----------------------------------------------------------------
 
@@ -987,10 +961,6 @@ class Trainer:
                     "in-flight ids")
     batch = state.in_flight.batch
     return SavedInFlight(dict(activations), batch.dense, batch.labels, ids)
-
-  def _wait_for_saves(self) -> None:
-    if self._checkpoints is not None:
-      self._checkpoints.wait()
 
   def _finish_saves_after_error(self) -> None:
     """Lets a periodic save still being written finish, without hiding the error.
