@@ -322,7 +322,9 @@ def _source(path: str, quiet: bool) -> epath.Path:
         " directory of an embedding checkpoint or its embedding item."
     )
   latest = epath.Path(info["latest"]["path"])
-  for name, why in info["incomplete"].items():  # Newer steps skipped: said even when quiet.
+  # Newer steps skipped, incomplete or unreadable (a broken delta chain, a step
+  # directory holding another step's save): said even when quiet.
+  for name, why in {**info["incomplete"], **info["unreadable"]}.items():
     if int(name.rsplit("_", 1)[-1]) > info["latest_step"]:
       warn_skipped(src / name, why)
   if not quiet:

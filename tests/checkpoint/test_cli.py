@@ -317,6 +317,23 @@ def test_convert_of_a_root_names_a_newer_step_it_skips_even_when_quiet(saved, tm
   _check(model, tmp_path / "out" / "embedding")
 
 
+def test_convert_of_a_root_names_a_newer_step_it_cannot_read_even_when_quiet(saved, tmp_path,
+                                                                           capsys):
+  """A newest step whose files are whole but that cannot be read as its step (renamed by
+  hand here; a delta whose chain is broken alike) was skipped without a word."""
+  model, layout, root = saved
+  tables, slots = model.state(layout)
+  with ck.CheckpointManager(root) as mngr:
+    mngr.save(5, ck.EmbeddingSave(tables, slots, layout, model.slot_specs(layout)), force=True)
+  (root / "5").rename(root / "9")
+  assert main(["convert", str(root), str(tmp_path / "out"), "--unstacked", "--quiet"]) == 0
+  err = capsys.readouterr().err
+  assert err.startswith(f"sc-checkpoint convert: warning: checkpoint step {root / '9'} is"
+                        " skipped:"), err
+  assert "is the integrity manifest of step 5, but its directory is step 9" in err, err
+  _check(model, tmp_path / "out" / "embedding")
+
+
 def test_the_chunk_encoding_alone_keeps_the_layout(saved, tmp_path, capsys):
   model, _, root = saved
   assert main(["convert", str(root / "3"), str(tmp_path / "zstd"), "--compression", "zstd",
