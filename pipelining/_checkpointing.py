@@ -404,7 +404,7 @@ class TrainerCheckpoints:
 
   def _optimizers(self) -> dict[str, OptimizerSpec]:
     """Stack -> its sparse optimizer (the checkpoint records which one owns the slots)."""
-    return {stack: self._plan.optimizer(stack) for stack in self._plan.layout.stack_names}
+    return self._plan.optimizers()
 
   def _in_flight_template(self, step: int, meta: dict[str, Any],
                           example: FeatureInFlight) -> dict[str, Any] | None:

@@ -22,6 +22,7 @@ from sc_framework.primitives import (
     slot_values,
     table_values,
 )
+from sc_framework.primitives._checks import check_variables
 from sc_framework.specs import FeatureSpec
 from sc_framework.stacking import EmbeddingLayout
 
@@ -150,8 +151,24 @@ class NnxSparseEmbed(nnx.Module):
     self.set_embedding_state({_state.TABLES: variables.tables, _state.SLOTS: variables.slots,
                               _state.STEP: self.step.get_value()})
 
-  def set_embedding_state(self, state: dict[str, Any]) -> None:
-    """Writes {"tables", "slots", "step"} arrays into the layer's variables."""
+  def set_embedding_state(self, state: Mapping[str, Any]) -> None:
+    """Writes {"tables", "slots", "step"} arrays into the layer's variables.
+
+    E.g. a checkpoint's: the tables and slots of an `EmbeddingRestore` into
+    this layer's layout, and the step saved beside them (README, "Flax
+    layers"). They are checked against the layer's plan first (stacks, shapes,
+    the optimizer's slots), as the primitives check them.
+
+    Raises:
+      TypeError, ValueError: `state` lacks one of the three, or its tables or
+        slots are not those of this layer's layout and optimizers.
+    """
+    keys = (_state.TABLES, _state.SLOTS, _state.STEP)
+    if not isinstance(state, Mapping) or any(key not in state for key in keys):
+      given = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+      raise TypeError(f"set_embedding_state takes a mapping with the keys {list(keys)} (as"
+                      f" embedding_state() returns), got {given}.")
+    check_variables(self.plan, EmbeddingVariables(state[_state.TABLES], state[_state.SLOTS]))
     for name, value in state[_state.TABLES].items():
       self.tables[name].set_value(value)
     for stack, slots in state[_state.SLOTS].items():

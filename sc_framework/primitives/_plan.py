@@ -190,6 +190,12 @@ class EmbeddingPlan:
   def combiner(self, stack_name: str) -> str:
     return self.first_table(self.layout.stack(stack_name)).combiner
 
+  def optimizers(self) -> dict[str, OptimizerSpec]:
+    """Stack name -> the sparse optimizer of its tables, as `checkpoint.EmbeddingSave` and
+    `EmbeddingRestore` take them (`optimizers=`: the checkpoint records which optimizer
+    owns the slots, and a restore into another refuses them)."""
+    return {stack.name: self.optimizer(stack.name) for stack in self.layout.stacks}
+
   def slot_specs(self) -> dict[str, tuple[SlotSpec, ...]]:
     """Stack name -> the slot variables of the stack's optimizer."""
     return {stack.name: self.optimizer(stack.name).slots() for stack in self.layout.stacks}
