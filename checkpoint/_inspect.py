@@ -132,7 +132,8 @@ def inspect(path: epath.PathLike) -> dict[str, Any]:
     "incomplete", "unreadable", "latest"} ("latest" describes the newest step
     that can be read, "latest_step"; "unreadable" names each newer one and why);
     for a step, {"step", "items", "embedding": describe_item(...)} (the
-    embedding entry absent if the step has none); for an item,
+    embedding entry absent if the step has none, and "embedding_items", their
+    names, instead if it has several); for an item,
     describe_item(...).
 
   Raises:
@@ -156,6 +157,8 @@ def inspect(path: epath.PathLike) -> dict[str, Any]:
     if len(embedding) == 1:
       out["embedding_item"] = embedding[0].name
       out["embedding"] = describe_item(embedding[0])
+    elif embedding:  # one per embedding layer of a model: each is described by its path
+      out["embedding_items"] = sorted(child.name for child in embedding)
     return out
   candidates = {
       child: step
@@ -242,6 +245,10 @@ def format_description(info: dict[str, Any]) -> str:
     step = f"step {info['step']}" if info["step"] is not None else "Orbax checkpoint"
     lines.append(f"{step} at {info['path']}")
     lines.append(f"  Orbax items: {', '.join(info['items'])}")
+    if "embedding_items" in info:
+      lines.append(f"  embedding items: {', '.join(info['embedding_items'])} (inspect or convert"
+                   " each item directory on its own)")
+      return "\n".join(lines)
     if "embedding" not in info:
       lines.append("  (no embedding item)")
       return "\n".join(lines)

@@ -43,12 +43,29 @@ from sc_framework.stacking import (
 )
 
 
+def embedding_items(directory: epath.Path) -> list[epath.Path]:
+  """The embedding items inside an Orbax step directory (those holding a manifest), by name.
+
+  A step usually holds one; a model with several embedding layers saves one
+  per layer (`items={"embedding2": EmbeddingSave(...)}`).
+  """
+  if not directory.is_dir():
+    return []
+  return sorted((child for child in directory.iterdir() if (child / MANIFEST_FILE).exists()),
+                key=lambda child: child.name)
+
+
 def find_item(directory: epath.Path) -> epath.Path | None:
   """The embedding item inside an Orbax step directory, if there is exactly one."""
-  if not directory.is_dir():
-    return None
-  found = [child for child in directory.iterdir() if (child / MANIFEST_FILE).exists()]
+  found = embedding_items(directory)
   return found[0] if len(found) == 1 else None
+
+
+def several_items_hint(items: list[epath.Path]) -> str:
+  """Says that a step holds several embedding items, and to name one."""
+  names = ", ".join(item.name for item in items)
+  return (f" It is an Orbax step directory holding {len(items)} embedding items ({names}):"
+          f" give one of them, e.g. {items[-1]}.")
 
 
 class CheckpointReader:
@@ -391,9 +408,11 @@ def _read_manifest(directory: epath.Path) -> Manifest:
     raise NotACheckpointError(f"checkpoint directory {directory} does not exist.")
   if not path.exists():
     hint = ""
-    item = find_item(directory)
-    if item is not None:
-      hint = f" It looks like an Orbax step directory; its embedding item is {item}."
+    items = embedding_items(directory)
+    if len(items) == 1:
+      hint = f" It looks like an Orbax step directory; its embedding item is {items[0]}."
+    elif len(items) > 1:
+      hint = several_items_hint(items)
     elif ".orbax-checkpoint-tmp" in directory.name or any(
         ".orbax-checkpoint-tmp" in part for part in directory.parts
     ):

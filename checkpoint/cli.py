@@ -47,7 +47,12 @@ from checkpoint._format import MANIFEST_FILE
 from checkpoint._integrity import INTEGRITY_FILE
 from checkpoint._inspect import format_description, inspect
 from checkpoint._layouts import layout_for_tables, parse_groups, relayout
-from checkpoint._reader import CheckpointReader, find_item
+from checkpoint._reader import (
+    CheckpointReader,
+    embedding_items,
+    find_item,
+    several_items_hint,
+)
 from checkpoint._source import verify_source
 from checkpoint._steps import warn_skipped
 from checkpoint._storage import StorageOptions, as_path
@@ -311,6 +316,11 @@ def _source(path: str, quiet: bool) -> epath.Path:
   src = as_path(path, "SRC")
   if (src / MANIFEST_FILE).exists() or find_item(src) is not None:
     return src
+  items = embedding_items(src)
+  if len(items) > 1:
+    raise NotACheckpointError(f"{src} cannot be converted as one checkpoint."
+                              f"{several_items_hint(items)} Convert each item directory on its"
+                              " own.")
   try:
     info = inspect(src)
   except NotACheckpointError as error:

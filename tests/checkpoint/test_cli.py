@@ -334,6 +334,28 @@ def test_convert_of_a_root_names_a_newer_step_it_cannot_read_even_when_quiet(sav
   _check(model, tmp_path / "out" / "embedding")
 
 
+def test_a_step_of_several_embedding_items_names_them(saved, tmp_path, capsys):
+  """A model with two embedding layers saves one item per layer: inspect said "(no embedding
+  item)" and convert "has no embedding item (no subdirectory with manifest.json)"."""
+  model, layout, _ = saved
+  tables, slots = model.state(layout)
+  root = tmp_path / "two"
+  with ck.CheckpointManager(root) as mngr:
+    save = ck.EmbeddingSave(tables, slots, layout, model.slot_specs(layout))
+    mngr.save(4, save, items={"embedding2": save})
+  step = root / "4"
+  assert main(["inspect", str(step)]) == 0
+  assert ("embedding items: embedding, embedding2 (inspect or convert each item directory on"
+          " its own)") in capsys.readouterr().out
+  for source in (step, root):
+    assert main(["convert", str(source), str(tmp_path / "out"), "--unstacked"]) == 1
+    err = capsys.readouterr().err
+    assert (f"It is an Orbax step directory holding 2 embedding items (embedding, embedding2):"
+            f" give one of them, e.g. {step / 'embedding2'}.") in err, err
+  assert main(["convert", str(step / "embedding2"), str(tmp_path / "out"), "--unstacked"]) == 0
+  _check(model, tmp_path / "out")  # an item converts to an item
+
+
 def test_the_chunk_encoding_alone_keeps_the_layout(saved, tmp_path, capsys):
   model, _, root = saved
   assert main(["convert", str(root / "3"), str(tmp_path / "zstd"), "--compression", "zstd",
