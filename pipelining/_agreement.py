@@ -91,9 +91,9 @@ def every_process_has(example: Any | None) -> bool:
 
 
 def next_agreed(prefetcher: Prefetcher, any_process: Callable[..., tuple[bool, ...]],
-                stop_requested: bool, use: str) -> tuple[Prepared | None, bool]:
+                stop_requested: Callable[[], bool], use: str) -> tuple[Prepared | None, bool]:
   """The next prepared batch (None when the data of any process ended) and whether any
-  process requested a stop.
+  process requested a stop (`stop_requested()` is asked once the batch is there).
 
   A global batch needs every process's slice: when one process's data ends,
   every process ends there (the others' remaining batches are not used).
@@ -111,7 +111,7 @@ def next_agreed(prefetcher: Prefetcher, any_process: Callable[..., tuple[bool, .
     prepared = None
   odd_pass = prepared is not None and pass_of(prepared) % 2 == 1
   even_pass = prepared is not None and not odd_pass
-  ended, stop, any_odd, any_even = any_process(prepared is None, stop_requested, odd_pass,
+  ended, stop, any_odd, any_even = any_process(prepared is None, stop_requested(), odd_pass,
                                                even_pass)
   if ended:
     if prepared is not None:

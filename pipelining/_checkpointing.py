@@ -45,6 +45,7 @@ from checkpoint import (
     EmbeddingSave,
     IncompatibleCheckpointError,
     IncrementalPolicy,
+    MissingItemError,
     SlotMismatchError,
     UpdatedRows,
     batch_rows,
@@ -199,7 +200,15 @@ class TrainerCheckpoints:
     self._manager.mark_damaged(step, why)
 
   def read_meta(self, step: int) -> dict[str, Any]:
-    meta = self._manager.restore(step, items={"meta": ocp.args.JsonRestore()})["meta"]
+    try:
+      meta = self._manager.restore(step, items={"meta": ocp.args.JsonRestore()})["meta"]
+    except MissingItemError as error:  # saved by a CheckpointManager of the user's own
+      raise IncompatibleCheckpointError(
+          f"{self.directory / str(step)} is not a Trainer checkpoint: it has no 'meta' item"
+          f" ({error}). A Trainer resumes the checkpoints a Trainer wrote; start one from"
+          " another checkpoint's tables with trainer.replace_tables(...) (checkpoint.TableRestore"
+          " reads them by name), or give it another workdir."
+      ) from None
     if not isinstance(meta, dict) or meta.get("format") not in _FORMATS:
       raise IncompatibleCheckpointError(
           f"{self.directory / str(step)} is not a Trainer checkpoint (meta format"

@@ -830,8 +830,8 @@ class Trainer:
   def _next(self, prefetcher: Prefetcher, use: BatchUse = "training") -> Prepared | None:
     """The next prepared batch of the `use` data, or None when the data of any process ended
     (`next_agreed`); a stop requested on any process sets `_stop`."""
-    prepared, stop = next_agreed(prefetcher, self._any_process,
-                                 self._stop_requested.is_set(), use)
+    prepared, stop = next_agreed(prefetcher, self._any_process, self._stop_requested.is_set,
+                                 use)
     if stop:
       self._stop.set()  # agreed here, at no extra exchange (`Schedule.stop_agreed`)
     return prepared

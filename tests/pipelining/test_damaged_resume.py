@@ -369,3 +369,21 @@ def test_a_meta_item_of_another_step_adopted_into_a_step_is_refused_naming_both(
       f"{root / '4'} holds the state after 3 updates, not 4: the step folder was renamed or"
       " copied by hand (its meta item says 3)")):
     make_trainer(tmp_path).fit(batches)
+
+
+def test_a_workdir_of_the_users_own_checkpoints_is_refused_saying_so(tmp_path):
+  """A step a user's CheckpointManager saved (embedding and dense items, no 'meta') failed
+  with "holds no item 'meta' ... Restore without 'meta'", which a Trainer user cannot do."""
+  import orbax.checkpoint as ocp
+  trained = make_trainer(None)
+  trained.fit(make_batches(2, seed=60))
+  embeddings, plan = trained.state.embeddings, trained.plan
+  with ck.CheckpointManager(tmp_path / "checkpoints") as manager:
+    manager.save(2, ck.EmbeddingSave(embeddings.tables, embeddings.slots, plan.layout,
+                                     optimizers=plan.optimizers()),
+                 items={"dense": ocp.args.StandardSave({"params": trained.state.params})})
+  with pytest.raises(ck.IncompatibleCheckpointError, match=re.escape(
+      f"{tmp_path / 'checkpoints' / '2'} is not a Trainer checkpoint: it has no 'meta' item"
+      " (checkpoint step 2")) as raised:
+    make_trainer(tmp_path).fit(make_batches(2, seed=61))
+  assert "A Trainer resumes the checkpoints a Trainer wrote" in str(raised.value)
