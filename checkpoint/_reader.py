@@ -417,9 +417,9 @@ def _read_manifest(directory: epath.Path) -> Manifest:
         ".orbax-checkpoint-tmp" in part for part in directory.parts
     ):
       hint = " It is the temporary directory of an unfinished save."
+    why = "" if items else " (an unfinished or interrupted save never writes one)"
     raise NotACheckpointError(
-        f"{directory} is not an embedding checkpoint: it has no {MANIFEST_FILE} (an unfinished"
-        f" or interrupted save never writes one).{hint}"
+        f"{directory} is not an embedding checkpoint: it has no {MANIFEST_FILE}{why}.{hint}"
     )
   try:
     data = json.loads(read_text(path))

@@ -307,6 +307,15 @@ def _not_a_checkpoint_hint(path: epath.Path) -> str:
   return ""
 
 
+def _refuse_several_items(step: epath.Path) -> None:
+  """Raises NotACheckpointError if `step` holds several embedding items (one per layer)."""
+  items = embedding_items(step)
+  if len(items) > 1:
+    raise NotACheckpointError(f"{step} cannot be converted as one checkpoint."
+                              f"{several_items_hint(items)} Convert each item directory on its"
+                              " own.")
+
+
 def _source(path: str, quiet: bool) -> epath.Path:
   """The checkpoint to convert: an item, a step directory, or a root's latest step.
 
@@ -316,11 +325,7 @@ def _source(path: str, quiet: bool) -> epath.Path:
   src = as_path(path, "SRC")
   if (src / MANIFEST_FILE).exists() or find_item(src) is not None:
     return src
-  items = embedding_items(src)
-  if len(items) > 1:
-    raise NotACheckpointError(f"{src} cannot be converted as one checkpoint."
-                              f"{several_items_hint(items)} Convert each item directory on its"
-                              " own.")
+  _refuse_several_items(src)
   try:
     info = inspect(src)
   except NotACheckpointError as error:
@@ -332,6 +337,7 @@ def _source(path: str, quiet: bool) -> epath.Path:
         " directory of an embedding checkpoint or its embedding item."
     )
   latest = epath.Path(info["latest"]["path"])
+  _refuse_several_items(latest)
   # Newer steps skipped, incomplete or unreadable (a broken delta chain, a step
   # directory holding another step's save): said even when quiet.
   for name, why in {**info["incomplete"], **info["unreadable"]}.items():

@@ -150,7 +150,8 @@ def check_rows(shapes: Shapes, entry: str, rows: Sequence[int], samples: str, wh
     want = " or ".join(map(str, rows))
     got = f"leading dimension {shape[0]}" if shape else "no leading dimension"
     listed = ""
-    if not shape and re.match(r"\[\d+\]", path):  # a list of numbers: a pytree of scalars
+    if all(not leaf_shape and re.fullmatch(r"\[\d+\]", leaf_path)  # a list of numbers
+           for leaf_path, (leaf_shape, _) in shapes.items()):
       listed = (f" ({entry} is a list or tuple, each of its items one array: pass"
                 f" np.asarray({entry}) to give one array)")
     raise ValueError(

@@ -37,7 +37,7 @@ import concurrent.futures
 import dataclasses
 import queue
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -104,14 +104,17 @@ def detached(raw: Any) -> Any:
 
   Arrays are found at any depth of the pytree (dicts, lists, tuples, ...; the
   containers are rebuilt as jax.tree does) and inside the dataclass instances
-  at its leaves (the id forms `DenseIds`, `RaggedIds`, ...); the elements of an
-  object array (per-sample id arrays) are copied too. Anything else (jax
-  arrays, which never change, scalars) is kept as is.
+  at its leaves (the id forms `DenseIds`, `RaggedIds`, ...), and in mappings
+  jax.tree takes for leaves (rebuilt as dicts); the elements of an object
+  array (per-sample id arrays) are copied too. Anything else (jax arrays,
+  which never change, scalars, other array types) is kept as is.
   """
   return jax.tree.map(_detached_leaf, raw)
 
 
 def _detached_leaf(leaf: Any) -> Any:
+  if isinstance(leaf, Mapping):  # one jax.tree does not enter (a dict subclass, a proxy)
+    return {key: detached(value) for key, value in leaf.items()}
   if isinstance(leaf, np.ndarray):
     copy = leaf.copy()
     if leaf.dtype == object:

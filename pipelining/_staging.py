@@ -18,6 +18,7 @@ from pipelining._config import TrainerConfig
 from pipelining._features import FeatureTree
 from pipelining._in_flight import DroppedIds, Staged, kept_inputs
 from pipelining._placement import global_batch
+from pipelining._prefetch import detached
 from pipelining._steps import DeviceBatch
 from sc_framework._error_place import name_the_place
 from sc_framework.preprocessing import (
@@ -70,6 +71,9 @@ class BatchStager:
       if index is not None:
         name_the_place(error, batch_name(use, index))
       raise
+    if use == "training" and self._config.pipelining and self._config.workdir is not None:
+      # Saved with the batch in flight, maybe after the data loader refilled its arrays.
+      sparse = detached(sparse)
     if dropped:
       with self._dropped_lock:
         self._dropped_by_use[use] = self._dropped_by_use.get(use, 0) + dropped

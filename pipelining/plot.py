@@ -251,9 +251,12 @@ def _write_whole(path: epath.Path, data: bytes) -> None:
       partial.unlink(missing_ok=True)
     # Named by the file asked for, not the temporary sibling it failed on.
     reason = error.strerror or str(error)
-    if not path.parent.is_dir():
-      reason += f" (its directory {path.parent} does not exist: create it first)"
-    raise type(error)(error.errno, f"writing {path}: {reason}") from error
+    with contextlib.suppress(OSError):
+      if not path.parent.is_dir():
+        reason += f" (its directory {path.parent} does not exist: create it first)"
+    message = f"writing {path}: {reason}"
+    # OSError(errno, ...) is the errno's subclass (FileNotFoundError, PermissionError, ...).
+    raise (OSError(error.errno, message) if error.errno else OSError(message)) from error
 
 
 def plot_workdir(workdir: epath.PathLike, output: epath.PathLike | None = None, *,

@@ -155,13 +155,14 @@ class NnxSparseEmbed(nnx.Module):
     """Writes {"tables", "slots", "step"} arrays into the layer's variables.
 
     E.g. a checkpoint's: the tables and slots of an `EmbeddingRestore` into
-    this layer's layout, and the step saved beside them (README, "Flax
-    layers"). They are checked against the layer's plan first (stacks, shapes,
-    the optimizer's slots), as the primitives check them.
+    this layer's layout, and the step saved beside them (README, "Checkpoints
+    of a Flax train state"). They are checked against the layer's plan first
+    (stacks, shapes, the optimizer's slots), as the primitives check them.
 
     Raises:
-      TypeError, ValueError: `state` lacks one of the three, or its tables or
-        slots are not those of this layer's layout and optimizers.
+      TypeError, ValueError: `state` lacks one of the three, its tables or
+        slots are not those of this layer's layout and optimizers, or its
+        step is not an integer scalar.
     """
     keys = (_state.TABLES, _state.SLOTS, _state.STEP)
     if not isinstance(state, Mapping) or any(key not in state for key in keys):
@@ -169,6 +170,11 @@ class NnxSparseEmbed(nnx.Module):
       raise TypeError(f"set_embedding_state takes a mapping with the keys {list(keys)} (as"
                       f" embedding_state() returns), got {given}.")
     check_variables(self.plan, EmbeddingVariables(state[_state.TABLES], state[_state.SLOTS]))
+    step = state[_state.STEP]
+    dtype = step.dtype if hasattr(step, "dtype") else np.asarray(step).dtype  # a tracer too
+    if np.ndim(step) != 0 or not jnp.issubdtype(dtype, jnp.integer):
+      raise TypeError(f"set_embedding_state: the step must be an integer scalar (the count of"
+                      f" sparse updates), got {step!r}.")
     for name, value in state[_state.TABLES].items():
       self.tables[name].set_value(value)
     for stack, slots in state[_state.SLOTS].items():

@@ -351,7 +351,8 @@ def test_a_step_of_several_embedding_items_names_them(saved, tmp_path, capsys):
     assert main(["convert", str(source), str(tmp_path / "out"), "--unstacked"]) == 1
     err = capsys.readouterr().err
     assert (f"It is an Orbax step directory holding 2 embedding items (embedding, embedding2):"
-            f" give one of them, e.g. {step / 'embedding2'}.") in err, err
+            f" give one of them, e.g. {step / 'embedding2'}. Convert each item directory on its"
+            " own.") in err, err
   assert main(["convert", str(step / "embedding2"), str(tmp_path / "out"), "--unstacked"]) == 0
   _check(model, tmp_path / "out")  # an item converts to an item
 

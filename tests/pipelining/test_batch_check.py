@@ -62,6 +62,9 @@ def test_a_different_batch_names_its_position_the_entry_and_both_shapes(dense, l
     (np.zeros((8, 3)), {"y": np.zeros(8), "w": np.float32(1.0)},
      "labels['w'] has shape (), no leading dimension, but the batch has 8 samples (the"
      " FeatureSpecs' batch size); labels"),
+    (np.zeros((8, 3)), (np.zeros(8), np.float32(1.0)),  # not a list of numbers: no hint
+     "labels[1] has shape (), no leading dimension, but the batch has 8 samples (the"
+     " FeatureSpecs' batch size); labels"),
     (np.zeros((8, 3)), [0.0] * 8,
      "labels[0] has shape (), no leading dimension, but the batch has 8 samples (the"
      " FeatureSpecs' batch size) (labels is a list or tuple, each of its items one array: pass"

@@ -71,6 +71,20 @@ def test_a_loader_that_refills_its_arrays_trains_on_every_batch_as_yielded(pipel
   assert_same_run(refilling, reference)
 
 
+@pytest.mark.parametrize("workers", [1, 3])
+def test_a_refilling_loaders_batch_in_flight_is_checkpointed_as_yielded(tmp_path, workers):
+  """A pipelined checkpoint stores its batch in flight as raw ids, read when it is written:
+  the loader had refilled them with a later batch's, and the resumed run diverged."""
+  batches = make_batches(9, seed=150)
+  first = make_trainer(True, workers, workdir=tmp_path)
+  assert first.fit(refilled(batches), num_steps=4).final_step == 4
+  resumed = make_trainer(True, workers, workdir=tmp_path)
+  resumed.fit(batches)
+  reference = make_trainer(True, workers=1)
+  reference.fit(batches)
+  assert_same_run(resumed, reference)
+
+
 def test_detached_copies_every_array_and_keeps_the_structure():
   ids = np.arange(6).reshape(2, 3)
   ragged = np.empty(2, object)

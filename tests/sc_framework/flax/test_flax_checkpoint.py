@@ -6,11 +6,13 @@ in its own layout."""
 
 from __future__ import annotations
 
+import pathlib
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 import pytest
 from flax import linen as nn
 from flax import nnx
@@ -76,29 +78,18 @@ def train(model, tx, layout, state, batches):
   return state
 
 
-# The recipe (README, "Flax layers"): the layer's tables and slots as the embedding item,
-# everything else of the state, the layer's step included, as an ordinary Orbax item.
-def save(manager, step, state, layer):
-  embed = state.embedding[PATH]  # {"tables", "slots", "step"}
-  rest = {"params": state.params, "opt_state": state.opt_state, "embedding_step": embed["step"]}
-  manager.save(step, ck.EmbeddingSave(embed["tables"], embed["slots"], layer.plan.layout,
-                                      optimizers=layer.plan.optimizers()),
-               items={"dense": ocp.args.StandardSave(rest)}, force=True)
+def readme_recipe() -> dict:
+  """The README's "Checkpoints of a Flax train state" block, run: its save and restore."""
+  readme = (pathlib.Path(__file__).parents[3] / "README.md").read_text()
+  block = re.search(r"<!-- flax-checkpoint-recipe:start -->\n```python\n(.*?)```", readme,
+                    re.DOTALL).group(1)
+  namespace = {"PATH": PATH}
+  exec(compile(block, "README.md (flax-checkpoint-recipe)", "exec"), namespace)
+  return namespace
 
 
-def restore(manager, state, layer):
-  """`state`: a freshly initialised state of the target model (its shapes and shardings)."""
-  embed = state.embedding[PATH]
-  rest = {"params": state.params, "opt_state": state.opt_state, "embedding_step": embed["step"]}
-  restored = manager.restore(
-      None, ck.EmbeddingRestore(layer.plan.layout, layer.mesh, "devices",
-                                optimizers=layer.plan.optimizers()),
-      items={"dense": ocp.args.StandardRestore(jax.tree.map(ocp.utils.to_shape_dtype_struct,
-                                                            rest))})
-  variables, rest = restored["embedding"], restored["dense"]
-  embedding = {PATH: {"tables": variables.tables, "slots": variables.slots,
-                      "step": rest["embedding_step"]}}
-  return state._replace(params=rest["params"], opt_state=rest["opt_state"], embedding=embedding)
+RECIPE = readme_recipe()
+save, restore = RECIPE["save"], RECIPE["restore"]
 
 
 def test_a_linen_state_resumes_exactly_and_on_another_device_count(tmp_path):
@@ -150,6 +141,8 @@ def test_an_nnx_layer_takes_embedding_state_of_its_own_layout_only():
   with pytest.raises(TypeError, match=r"set_embedding_state takes a mapping with the keys"
                                       r" \['tables', 'slots', 'step'\]"):
     embed.set_embedding_state({"tables": before["tables"], "slots": before["slots"]})
+  with pytest.raises(TypeError, match=r"the step must be an integer scalar .*got 2\.5"):
+    embed.set_embedding_state({**before, "step": 2.5})
   jax.tree.map(assert_same_bits, jax.device_get(embed.embedding_state()),
                jax.device_get(before))
   embed.set_embedding_state(before)  # its own: taken
