@@ -118,7 +118,8 @@ def describe_item(directory: epath.PathLike) -> dict[str, Any]:
   return out
 
 
-def _step_of(directory: epath.Path) -> int | None:
+def step_of(directory: epath.Path) -> int | None:
+  """The step number a step directory's name ends in ("12", "ckpt_12"), None for another."""
   name = directory.name
   digits = name.rsplit("_", 1)[-1]
   return int(digits) if digits.isdigit() else None
@@ -153,7 +154,7 @@ def inspect(path: epath.PathLike) -> dict[str, Any]:
   embedding = [child for child in children if (child / MANIFEST_FILE).exists()]
   if _integrity.holds_a_save(path) or embedding:
     _check_step_holding(path, embedding[0] if len(embedding) == 1 else None)
-    out: dict[str, Any] = {"path": str(path), "step": _step_of(path), "items": items}
+    out: dict[str, Any] = {"path": str(path), "step": step_of(path), "items": items}
     if len(embedding) == 1:
       out["embedding_item"] = embedding[0].name
       out["embedding"] = describe_item(embedding[0])
@@ -164,7 +165,7 @@ def inspect(path: epath.PathLike) -> dict[str, Any]:
       child: step
       for child in children
       if _TMP_MARK not in child.name
-      and (step := _step_of(child)) is not None
+      and (step := step_of(child)) is not None
       and _integrity.holds_a_save(child)
   }
   incomplete = {child: manifest_problem(child) for child in candidates}

@@ -12,8 +12,8 @@ A delta (incremental) step reads as its chain: `inspect` lists the chain
 `compact` replaces it by a full step in place.
 
 PATH / SRC may be an embedding item, an Orbax step directory or a
-CheckpointManager root (`convert` then takes its latest step; a Trainer's
-checkpoints are in WORKDIR/checkpoints). The target of `convert` is a layout
+CheckpointManager root (`convert` then takes its latest step that reads back;
+a Trainer's checkpoints are in WORKDIR/checkpoints). The target of `convert` is a layout
 JSON file (EmbeddingLayout.to_json), optionally modified by the flags, or the
 source layout modified by the flags, or `--unstacked` for per-table arrays.
 `convert` first checks every file it reads against the source step's
@@ -42,10 +42,10 @@ from etils import epath
 from checkpoint._chain import open_reader
 from checkpoint._compact import compact
 from checkpoint._convert import check_destination, convert
-from checkpoint._errors import CheckpointError, NotACheckpointError
+from checkpoint._errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
 from checkpoint._format import MANIFEST_FILE
-from checkpoint._integrity import INTEGRITY_FILE
-from checkpoint._inspect import format_description, inspect
+from checkpoint._integrity import INTEGRITY_FILE, is_link
+from checkpoint._inspect import format_description, inspect, step_of
 from checkpoint._layouts import layout_for_tables, parse_groups, relayout
 from checkpoint._reader import (
     CheckpointReader,
@@ -316,15 +316,18 @@ def _refuse_several_items(step: epath.Path) -> None:
                               " own.")
 
 
-def _source(path: str, quiet: bool) -> epath.Path:
-  """The checkpoint to convert: an item, a step directory, or a root's latest step.
+def _sources(path: str, quiet: bool) -> list[epath.Path]:
+  """The checkpoint to convert: an item or a step directory ([it]), or a root's complete
+  steps, newest first from its latest that can be read (the next is converted when one
+  fails a chunk's checksum, which only reading it shows, as a restore of the latest
+  step falls back).
 
   Raises:
     NotACheckpointError: `path` is none of these (with a hint for a workdir).
   """
   src = as_path(path, "SRC")
   if (src / MANIFEST_FILE).exists() or find_item(src) is not None:
-    return src
+    return [src]
   _refuse_several_items(src)
   try:
     info = inspect(src)
@@ -346,7 +349,9 @@ def _source(path: str, quiet: bool) -> epath.Path:
   if not quiet:
     print(f"{src} is a checkpoints root: converting its latest step {info['latest_step']}"
           f" ({latest})", file=sys.stderr, flush=True)
-  return latest
+  older = [child for child in src.iterdir() if not is_link(child)
+           and (step_of(child) or -1) in info["steps"] and step_of(child) < info["latest_step"]]
+  return [latest, *sorted(older, key=step_of, reverse=True)]
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -360,7 +365,19 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-  src = _source(args.src, args.quiet)
+  sources = _sources(args.src, args.quiet)
+  for src, older in zip(sources, sources[1:]):
+    try:
+      return _convert_step(args, src)
+    except CorruptCheckpointError as error:  # the bytes of a chunk: known once read
+      warn_skipped(src, str(error))
+      if not args.quiet:
+        print(f"converting the step before it instead: {older}", file=sys.stderr, flush=True)
+  return _convert_step(args, sources[-1])
+
+
+def _convert_step(args: argparse.Namespace, src: epath.Path) -> int:
+  """Converts one item or step directory `src` to args.dst."""
   if as_path(args.dst, "DST").exists() and not args.overwrite:
     raise FileExistsError(
         f"{args.dst} already exists; choose another destination or pass --overwrite to replace"

@@ -334,6 +334,29 @@ def test_convert_of_a_root_names_a_newer_step_it_cannot_read_even_when_quiet(sav
   _check(model, tmp_path / "out" / "embedding")
 
 
+def test_convert_of_a_root_falls_back_past_a_step_whose_chunk_fails_its_checksum(
+    saved, tmp_path, capsys):
+  """A flipped byte shows only when the chunk is read: convert of the root refused (exit 1),
+  where a restore of the latest step falls back to the step before, with a warning."""
+  model, layout, root = saved
+  tables, slots = model.state(layout)
+  with ck.CheckpointManager(root) as mngr:
+    mngr.save(5, ck.EmbeddingSave(tables, slots, layout, model.slot_specs(layout)), force=True)
+  chunk = next(path for path in sorted((root / "5" / "embedding").rglob("*"))
+               if path.is_file() and "/c/" in str(path))
+  data = bytearray(chunk.read_bytes())
+  data[len(data) // 2] ^= 0x5A
+  chunk.write_bytes(bytes(data))
+  assert main(["convert", str(root), str(tmp_path / "out"), "--unstacked"]) == 0
+  err = capsys.readouterr().err
+  assert f"warning: checkpoint step {root / '5'} is skipped: " in err, err
+  assert "fails its CRC32C checksum" in err, err
+  assert f"converting the step before it instead: {root / '3'}" in err, err
+  _check(model, tmp_path / "out" / "embedding")
+  assert sorted(path.name for path in tmp_path.iterdir()) == ["out", "run"]  # nothing left
+  assert main(["convert", str(root / "5"), str(tmp_path / "five"), "--unstacked"]) == 1  # named
+
+
 def test_a_step_of_several_embedding_items_names_them(saved, tmp_path, capsys):
   """A model with two embedding layers saves one item per layer: inspect said "(no embedding
   item)" and convert "has no embedding item (no subdirectory with manifest.json)"."""
