@@ -364,16 +364,39 @@ def _inspect(args: argparse.Namespace) -> int:
   return 0
 
 
+_RELISTS = 3  # A root whose steps a running job keeps deleting is listed again at most so often.
+
+
 def _convert(args: argparse.Namespace) -> int:
+  """Converts SRC; of a root, the newest step that reads back (see `_sources`).
+
+  A root's step deleted while it is converted (the retention of a job still
+  writing there) has the root listed again and its newest step converted, as a
+  restore of the latest step does; a step whose chunk fails its checksum has
+  the step before it converted.
+  """
   sources = _sources(args.src, args.quiet)
-  for src, older in zip(sources, sources[1:]):
+  root = sources[0] != as_path(args.src, "SRC")
+  relists = 0
+  while True:
+    src, older = sources[0], sources[1:]
     try:
       return _convert_step(args, src)
-    except CorruptCheckpointError as error:  # the bytes of a chunk: known once read
+    except (CheckpointError, OSError) as error:
+      if root and relists < _RELISTS and not src.exists():
+        relists += 1
+        if not args.quiet:
+          print(f"{src} was deleted while it was converted (a job writing {args.src} keeps only"
+                " its latest steps): listing the steps again", file=sys.stderr, flush=True)
+        sources = _sources(args.src, args.quiet)
+        continue
+      # The bytes of a chunk, known once read; not a read the storage failed.
+      if not older or not isinstance(error, CorruptCheckpointError):
+        raise
       warn_skipped(src, str(error))
       if not args.quiet:
-        print(f"converting the step before it instead: {older}", file=sys.stderr, flush=True)
-  return _convert_step(args, sources[-1])
+        print(f"converting the step before it instead: {older[0]}", file=sys.stderr, flush=True)
+      sources = older
 
 
 def _convert_step(args: argparse.Namespace, src: epath.Path) -> int:

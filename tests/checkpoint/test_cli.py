@@ -357,6 +357,30 @@ def test_convert_of_a_root_falls_back_past_a_step_whose_chunk_fails_its_checksum
   assert main(["convert", str(root / "5"), str(tmp_path / "five"), "--unstacked"]) == 1  # named
 
 
+def test_convert_of_a_root_whose_step_a_job_deletes_meanwhile_converts_the_newest_left(
+    saved, tmp_path, capsys, monkeypatch):
+  """A job's retention deleted the step being converted: convert failed with "is not a
+  checkpoint: no manifest.json", where a restore of the latest step lists the steps again."""
+  model, layout, root = saved
+  tables, slots = model.state(layout)
+  with ck.CheckpointManager(root) as mngr:
+    mngr.save(5, ck.EmbeddingSave(tables, slots, layout, model.slot_specs(layout)), force=True)
+  real_convert = cli.convert
+
+  def convert_while_the_job_deletes(src, *args, **kwargs):
+    if (root / "5").exists():
+      shutil.rmtree(root / "5")  # the job's retention, as the conversion starts reading
+    return real_convert(src, *args, **kwargs)
+
+  monkeypatch.setattr(cli, "convert", convert_while_the_job_deletes)
+  assert main(["convert", str(root), str(tmp_path / "out"), "--unstacked"]) == 0
+  err = capsys.readouterr().err
+  assert (f"{root / '5'} was deleted while it was converted (a job writing {root} keeps only"
+          " its latest steps): listing the steps again") in err, err
+  assert f"converting its latest step 3 ({root / '3'})" in err, err
+  _check(model, tmp_path / "out" / "embedding")
+
+
 def test_a_step_of_several_embedding_items_names_them(saved, tmp_path, capsys):
   """A model with two embedding layers saves one item per layer: inspect said "(no embedding
   item)" and convert "has no embedding item (no subdirectory with manifest.json)"."""
