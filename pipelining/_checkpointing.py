@@ -54,7 +54,6 @@ from checkpoint import (
 )
 from pipelining._in_flight import FeatureInFlight, SavedInFlight, rows_shapes
 from pipelining._steps import DeviceBatch, TrainState
-from sc_framework.optimizers import OptimizerSpec
 from sc_framework.preprocessing import PreprocessedBatch, StackBatch
 from sc_framework.primitives import EmbeddingPlan, EmbeddingVariables
 from sc_framework.stacking import logical_to_global_rows
@@ -270,7 +269,7 @@ class TrainerCheckpoints:
     items["meta"] = ocp.args.JsonSave(meta)
     embedding = EmbeddingSave(
         state.embeddings.tables, state.embeddings.slots, self._plan.layout,
-        optimizers=self._optimizers(),
+        optimizers=self._plan.optimizers(),
     )
     saved = self._manager.save(step, embedding, items=items, force=True,
                                updated_rows=self._rows)
@@ -383,7 +382,7 @@ class TrainerCheckpoints:
     embedding = EmbeddingRestore(
         self._plan.layout, self._plan.mesh, self._plan.axis_name,
         # Slots of another optimizer (also one with slots of the same names) are refused.
-        optimizers=self._optimizers(),
+        optimizers=self._plan.optimizers(),
         # The tables in the state's dtype; another stored dtype is refused.
         dtype=next(iter(state_template.embeddings.tables.values())).dtype,
     )
@@ -410,10 +409,6 @@ class TrainerCheckpoints:
             k: dict(v) for k, v in tables.slots.items()}), dense["step"],
     )
     return state, restored
-
-  def _optimizers(self) -> dict[str, OptimizerSpec]:
-    """Stack -> its sparse optimizer (the checkpoint records which one owns the slots)."""
-    return self._plan.optimizers()
 
   def _in_flight_template(self, step: int, meta: dict[str, Any],
                           example: FeatureInFlight) -> dict[str, Any] | None:

@@ -3,6 +3,8 @@ and reports errors exactly as with one."""
 
 from __future__ import annotations
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -105,6 +107,10 @@ def test_detached_copies_every_array_and_keeps_the_structure():
   np.testing.assert_array_equal(copy["sparse"]["d"].values, [4, 5, 6])
   np.testing.assert_array_equal(copy["sparse"]["d"].row_splits, [0, 2, 3])
   np.testing.assert_array_equal(copy["dense"][0], np.arange(6).reshape(2, 3))
+  proxy = types.MappingProxyType({"x": np.arange(3)})  # a mapping jax.tree takes for a leaf
+  copied = detached({"sparse": proxy})["sparse"]
+  proxy["x"][...] = -1
+  np.testing.assert_array_equal(copied["x"], [0, 1, 2])
 
 
 def test_a_bad_batch_is_named_in_its_place_with_workers():
